@@ -1,0 +1,58 @@
+"""Orbax save and restore of a scorer's model: parameters, config and tokenizer in one directory.
+
+    path/params/        Orbax checkpoint of the parameter tree
+    path/tpuscore.json  {"format": 1, "config": ModelConfig fields}
+    path/tokenizer.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tokenizers
+
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.weights import Params, param_shapes
+
+MARKER = "tpuscore.json"
+FORMAT = 1
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def save(path: str | Path, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer):
+    path = Path(path).absolute()
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} exists and is not empty; save into a new directory")
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / "params", params)
+        checkpointer.wait_until_finished()
+    (path / MARKER).write_text(json.dumps({"format": FORMAT, "config": config.to_dict()}, indent=2))
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+def restore(
+    path: str | Path, dtype: np.dtype, sharding: jax.sharding.Sharding | None = None
+) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
+    """Restore onto an abstract tree of the config's shapes in `dtype`, placed by `sharding`."""
+    path = Path(path).absolute()
+    meta = json.loads((path / MARKER).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path / MARKER}: format {meta.get('format')!r}, expected {FORMAT}")
+    config = ModelConfig.from_dict(meta["config"])
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+        param_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(path / "params", abstract)
+    return config, params, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -1,0 +1,77 @@
+"""Find a model wherever it lives and read its config, weights and tokenizer.
+
+Accepted: a local Hugging Face directory (config.json, *.safetensors, tokenizer.json), a Hugging
+Face hub id (through the local cache, or downloaded), a .gguf file, an Orbax directory written by
+`Scorer.save`, or None for the embedded default model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import huggingface_hub
+import numpy as np
+import safetensors
+import tokenizers
+
+from tpuscore.models import checkpoint, default, gguf
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.weights import Params, params_from_checkpoint
+
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+
+
+def load(
+    model: str | os.PathLike | None,
+    *,
+    dtype: np.dtype,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
+    """(config, params in `dtype`, tokenizer) for `model`; see the module docstring."""
+    path = default.default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        if path.suffix == ".gguf" or path.is_absolute() or str(model).startswith((".", "~")):
+            raise FileNotFoundError(f"model path {str(model)!r} does not exist")
+        path = Path(
+            huggingface_hub.snapshot_download(
+                str(model),
+                revision=revision,
+                local_files_only=local_files_only,
+                cache_dir=cache_dir,
+                allow_patterns=HUB_FILES,
+            )
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; give a directory or a .gguf file")
+        ckpt = gguf.read_gguf(path)
+        return ckpt.config, params_from_checkpoint(ckpt.config, ckpt.tensors, dtype), ckpt.tokenizer
+    if checkpoint.is_checkpoint(path):
+        return checkpoint.restore(path, dtype)
+    if (path / "config.json").is_file():
+        return _read_hf_dir(path, dtype)
+    raise ValueError(
+        f"{path} is neither a Hugging Face model directory (config.json) "
+        f"nor a tpuscore checkpoint ({checkpoint.MARKER})"
+    )
+
+
+def _read_hf_dir(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    tensors = {}
+    for file in files:
+        # The flax reader handles bfloat16, which safetensors' numpy reader does not.
+        with safetensors.safe_open(file, framework="flax") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = np.asarray(f.get_tensor(name))
+    params = params_from_checkpoint(config, tensors, dtype)
+    return config, params, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -1,0 +1,39 @@
+"""Rotary position embeddings, in the "rotate half" layout Hugging Face checkpoints use."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tpuscore.models.config import ModelConfig
+
+
+def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Per-pair rotation frequencies [H/2] (float32), with the config's RoPE scaling applied."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        inv_freq = _llama3_scaling(cfg, inv_freq)
+    return inv_freq.astype(np.float32)
+
+
+def _llama3_scaling(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    old_len = cfg.rope_original_max_position
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / cfg.rope_factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rotate(x, cos, sin, xp=np):
+    """Rotate x [..., H] by angles whose cos/sin are [..., H/2]; `xp` is numpy or jax.numpy."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,167 @@
+"""The parameter tree and the map from Hugging Face checkpoint names onto it.
+
+Every layer's weights are stacked on a leading L axis so the decoder scans over layers (one
+compiled layer, not L copies). Axis letters: L layers, V vocab, D model, F MLP, N query heads,
+K kv heads, H head dim.
+
+    embed [V, D]   final_norm [D]   lm_head [D, V] (untied checkpoints only)
+    layers/attn_norm [L, D]   wq [L, D, N, H]   wk, wv [L, D, K, H]   wo [L, N, H, D]
+           bq [L, N, H], bk, bv [L, K, H] (qkv_bias)   bo [L, D] (o_bias)
+           q_norm, k_norm [L, H] (qk_norm)
+           mlp_norm [L, D]   w_gate, w_up [L, D, F]   w_down [L, F, D]
+
+GGUF checkpoints are renamed to Hugging Face names first (`models/gguf.py`), so this table is
+the only place that knows where a checkpoint tensor lands.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from tpuscore.models.config import ModelConfig
+
+Params = dict  # {"embed": array, "layers": {name: array}, ...}
+
+# Checkpoint tensors that carry no weights (recomputed from the config).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the parameters its config implies."""
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The shape of every parameter, as the same nested dict the loaders build."""
+    L, V, D, F = cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layers = {
+        "attn_norm": (L, D),
+        "wq": (L, D, N, H),
+        "wk": (L, D, K, H),
+        "wv": (L, D, K, H),
+        "wo": (L, N, H, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": (L, N, H), "bk": (L, K, H), "bv": (L, K, H)}
+    if cfg.o_bias:
+        layers["bo"] = (L, D)
+    if cfg.qk_norm:
+        layers |= {"q_norm": (L, H), "k_norm": (L, H)}
+    shapes: Params = {"embed": (V, D), "final_norm": (D,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def _linear(heads: int | None = None, out_heads: int | None = None):
+    """torch Linear weight [out, in] -> [in, out], optionally splitting heads."""
+
+    def transform(w: np.ndarray) -> np.ndarray:
+        w = w.T
+        if heads is not None:  # [D, N*H] -> [D, N, H]
+            w = w.reshape(w.shape[0], heads, -1)
+        if out_heads is not None:  # [N*H, D] -> [N, H, D]
+            w = w.reshape(out_heads, -1, w.shape[-1])
+        return w
+
+    return transform
+
+
+def _split_heads(heads: int):
+    return lambda b: b.reshape(heads, -1)
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+    """Per-layer checkpoint suffix -> (parameter name, value transform)."""
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    table = {
+        "input_layernorm.weight": ("attn_norm", _identity),
+        "self_attn.q_proj.weight": ("wq", _linear(heads=N)),
+        "self_attn.k_proj.weight": ("wk", _linear(heads=K)),
+        "self_attn.v_proj.weight": ("wv", _linear(heads=K)),
+        "self_attn.o_proj.weight": ("wo", _linear(out_heads=N)),
+        "post_attention_layernorm.weight": ("mlp_norm", _identity),
+        "mlp.gate_proj.weight": ("w_gate", _linear()),
+        "mlp.up_proj.weight": ("w_up", _linear()),
+        "mlp.down_proj.weight": ("w_down", _linear()),
+    }
+    if cfg.qkv_bias:
+        table |= {
+            "self_attn.q_proj.bias": ("bq", _split_heads(N)),
+            "self_attn.k_proj.bias": ("bk", _split_heads(K)),
+            "self_attn.v_proj.bias": ("bv", _split_heads(K)),
+        }
+    if cfg.o_bias:
+        table["self_attn.o_proj.bias"] = ("bo", _identity)
+    if cfg.qk_norm:
+        table |= {"self_attn.q_norm.weight": ("q_norm", _identity),
+                  "self_attn.k_norm.weight": ("k_norm", _identity)}
+    return table
+
+
+def params_from_checkpoint(
+    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: np.dtype = np.float32
+) -> Params:
+    """Map Hugging Face-named tensors onto the parameter tree, cast to `dtype`.
+
+    Fails once, naming every missing, unexpected or misshapen tensor.
+    """
+    top = {
+        "model.embed_tokens.weight": ("embed", _identity),
+        "model.norm.weight": ("final_norm", _identity),
+    }
+    if not cfg.tie_word_embeddings:
+        top["lm_head.weight"] = ("lm_head", _linear())
+    layer_table = _layer_table(cfg)
+    expected = set(top) | {
+        f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in layer_table
+    }
+    # A tied checkpoint may still carry a copy of the embedding as lm_head; it is unused.
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    present = {name for name in tensors if not _IGNORED.match(name)}
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected - optional)
+
+    shapes = param_shapes(cfg)
+    params: Params = {"layers": {}}
+    stacked: dict[str, list] = {name: [None] * cfg.num_layers for name, _ in layer_table.values()}
+    misshapen = []
+
+    def put(name: str, value: np.ndarray, want: tuple, where: str) -> np.ndarray | None:
+        if value.shape != want:
+            misshapen.append(f"{where}: shape {value.shape}, expected {want}")
+            return None
+        return np.asarray(value, dtype=dtype)
+
+    for ckpt_name, (name, transform) in top.items():
+        if ckpt_name in present:
+            params[name] = put(name, transform(np.asarray(tensors[ckpt_name])), shapes[name], ckpt_name)
+    layer_re = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    for ckpt_name in sorted(present & expected):
+        m = layer_re.fullmatch(ckpt_name)
+        if not m:
+            continue
+        i, suffix = int(m.group(1)), m.group(2)
+        name, transform = layer_table[suffix]
+        value = transform(np.asarray(tensors[ckpt_name]))
+        stacked[name][i] = put(name, value, shapes["layers"][name][1:], ckpt_name)
+
+    if missing or unexpected or misshapen:
+        lines = [f"checkpoint does not match its {cfg.family} config:"]
+        lines += [f"  missing: {n}" for n in missing]
+        lines += [f"  unexpected: {n}" for n in unexpected]
+        lines += [f"  {m}" for m in misshapen]
+        raise CheckpointMismatchError("\n".join(lines))
+    params["layers"] = {name: np.stack(values) for name, values in stacked.items()}
+    return params

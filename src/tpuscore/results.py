@@ -1,0 +1,36 @@
+"""What `Scorer.score` returns."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import scipy.special
+
+
+@attrs.frozen
+class ScoreResult:
+    """Scores for every item x label.
+
+    logprobs: log P(label | sequence) over the full vocabulary, float32 [n_items, n_labels].
+    backend: the backend that ran. num_tokens: token positions processed (usage accounting).
+    """
+
+    logprobs: np.ndarray
+    backend: str
+    num_tokens: int
+    apply_softmax: bool = False
+
+    @property
+    def probs(self) -> np.ndarray:
+        """P(label | sequence): the model's true probabilities."""
+        return np.exp(self.logprobs)
+
+    @property
+    def label_probs(self) -> np.ndarray:
+        """Softmax over the given labels per item: each row sums to 1 (relative, not true, probs)."""
+        return scipy.special.softmax(self.logprobs, axis=1)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """SGLang /v1/score semantics: label_probs if apply_softmax else probs."""
+        return self.label_probs if self.apply_softmax else self.probs

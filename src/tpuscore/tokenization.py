@@ -1,0 +1,26 @@
+"""How text becomes the tokens that are scored.
+
+The query is encoded with the tokenizer's special tokens (a BOS, where the tokenizer adds one) and
+each item without, and the scored sequence is query_tokens + item_tokens (item_tokens +
+query_tokens with item_first=True). This can differ from tokenizing the concatenated string: BPE
+may merge across the boundary (query "ab" + item "c" can encode as ["a", "bc"] when joined). We
+tokenize the pieces separately on purpose: the query tokens are then the same for every item,
+which is what lets faster backends process the query once and share it, and every backend scores
+exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import tokenizers
+
+
+def encode_query(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=True).ids
+
+
+def encode_items(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def encode_label(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,206 @@
+"""Input validation: every bad request stops here with a `ValidationError`; none reaches a backend.
+
+Text is tokenized here too (`tokenization.py`), so the checks that follow (token ranges, empty
+and over-long sequences) see exactly the tokens a backend will.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+import attrs
+import numpy as np
+import tokenizers
+
+from tpuscore import tokenization
+
+
+class ValidationError(ValueError):
+    """A request the scorer cannot run. `code` is stable; `param` names the offending argument."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+    def __repr__(self) -> str:
+        return f"ValidationError(code={self.code!r}, param={self.param!r}, message={str(self)!r})"
+
+
+@attrs.frozen
+class ScoreRequest:
+    """A validated request as token ids."""
+
+    query: list[int]
+    items: list[list[int]]
+    label_ids: list[int]
+    item_first: bool
+
+
+def _is_token_list(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and (value.dtype.kind in "iu" or value.size == 0)
+    return isinstance(value, (list, tuple)) and not isinstance(value, str)
+
+
+def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
+    """A list of ints in [0, vocab_size), or the error saying which element is wrong and why."""
+    ids = []
+    for j, t in enumerate(value):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral):
+            raise ValidationError(code, f"{param}[{j}] must be an int token id, got {t!r}", param)
+        t = int(t)
+        if t < 0:
+            raise ValidationError(
+                "token_id_negative", f"{param}[{j}] is {t}; token ids must be >= 0", param
+            )
+        if t >= vocab_size:
+            raise ValidationError(
+                "token_id_exceeds_vocab",
+                f"{param}[{j}] is {t}; the model's vocabulary has {vocab_size} tokens "
+                f"(ids 0..{vocab_size - 1})",
+                param,
+            )
+        ids.append(t)
+    return ids
+
+
+def _check_bool(value: Any, param: str) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValidationError("invalid_argument", f"{param} must be a bool, got {value!r}", param)
+
+
+def _labels(
+    label_token_ids: Any, labels: Any, tokenizer: tokenizers.Tokenizer | None, vocab_size: int
+) -> list[int]:
+    if label_token_ids is not None and labels is not None:
+        raise ValidationError(
+            "invalid_label_token_ids", "give label_token_ids or labels, not both", "labels"
+        )
+    if labels is not None:
+        if isinstance(labels, str) or not isinstance(labels, Sequence):
+            raise ValidationError(
+                "invalid_label_token_ids", f"labels must be a list of str, got {labels!r}", "labels"
+            )
+        if not labels:
+            raise ValidationError("empty_label_token_ids", "labels is empty", "labels")
+        ids = []
+        for j, label in enumerate(labels):
+            if not isinstance(label, str):
+                raise ValidationError(
+                    "invalid_label_token_ids", f"labels[{j}] must be a str, got {label!r}", "labels"
+                )
+            tokens = tokenization.encode_label(_require(tokenizer, "labels"), label)
+            if len(tokens) != 1:
+                raise ValidationError(
+                    "multi_token_label",
+                    f"label {label!r} encodes to {len(tokens)} tokens {tokens}; "
+                    "labels must be single tokens",
+                    "labels",
+                )
+            ids.append(tokens[0])
+        return _token_ids(ids, "labels", "invalid_label_token_ids", vocab_size)
+    if label_token_ids is None:
+        raise ValidationError(
+            "empty_label_token_ids", "give label_token_ids or labels", "label_token_ids"
+        )
+    if not _is_token_list(label_token_ids):
+        raise ValidationError(
+            "invalid_label_token_ids",
+            f"label_token_ids must be a list of int token ids, got {label_token_ids!r}",
+            "label_token_ids",
+        )
+    if len(label_token_ids) == 0:
+        raise ValidationError("empty_label_token_ids", "label_token_ids is empty", "label_token_ids")
+    return _token_ids(label_token_ids, "label_token_ids", "invalid_label_token_ids", vocab_size)
+
+
+def _require(tokenizer: tokenizers.Tokenizer | None, param: str) -> tokenizers.Tokenizer:
+    if tokenizer is None:
+        raise ValidationError(
+            "invalid_argument", f"{param} is text but this model has no tokenizer; pass token ids", param
+        )
+    return tokenizer
+
+
+def validate(
+    query: Any,
+    items: Any,
+    label_token_ids: Any,
+    labels: Any,
+    *,
+    apply_softmax: Any,
+    item_first: Any,
+    tokenizer: tokenizers.Tokenizer | None,
+    vocab_size: int,
+    max_sequence_length: int,
+) -> ScoreRequest:
+    """Check a `Scorer.score` call and turn it into token ids."""
+    _check_bool(apply_softmax, "apply_softmax")
+    _check_bool(item_first, "item_first")
+
+    if isinstance(query, str):
+        text = True
+    elif _is_token_list(query):
+        text = False
+    else:
+        raise ValidationError(
+            "invalid_query", f"query must be a str or a list of int token ids, got {query!r}", "query"
+        )
+    if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
+        raise ValidationError(
+            "invalid_items",
+            f"items must be a list of str or a list of token-id lists, got {items!r}",
+            "items",
+        )
+    for i, item in enumerate(items):
+        item_text = isinstance(item, str)
+        if not item_text and not _is_token_list(item):
+            raise ValidationError(
+                "invalid_items",
+                f"items[{i}] must be a str or a list of int token ids, got {item!r}",
+                "items",
+            )
+        if item_text != text:
+            kinds = ("text", "token ids") if text else ("token ids", "text")
+            raise ValidationError(
+                "mixed_input_types",
+                f"query is {kinds[0]} but items[{i}] is {kinds[1]}; use one kind for both",
+                "items",
+            )
+    label_ids = _labels(label_token_ids, labels, tokenizer, vocab_size)
+
+    if text:
+        tok = _require(tokenizer, "query")
+        query_ids = tokenization.encode_query(tok, query)
+        item_ids = tokenization.encode_items(tok, list(items))
+    else:
+        query_ids = _token_ids(query, "query", "invalid_query", vocab_size)
+        item_ids = [
+            _token_ids(item, f"items[{i}]", "invalid_items", vocab_size)
+            for i, item in enumerate(items)
+        ]
+    # Text ids come from the tokenizer, which may know more tokens than the model embeds.
+    if text:
+        _token_ids(query_ids, "query", "invalid_query", vocab_size)
+        for i, ids in enumerate(item_ids):
+            _token_ids(ids, f"items[{i}]", "invalid_items", vocab_size)
+
+    for i, ids in enumerate(item_ids):
+        length = len(query_ids) + len(ids)
+        if length == 0:
+            raise ValidationError(
+                "empty_sequence",
+                f"query and items[{i}] are both empty: there is no token to score after",
+                "items",
+            )
+        if length > max_sequence_length:
+            raise ValidationError(
+                "sequence_too_long",
+                f"query + items[{i}] is {length} tokens ({len(query_ids)} + {len(ids)}); "
+                f"the model takes at most {max_sequence_length}",
+                "items",
+            )
+    return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first))
