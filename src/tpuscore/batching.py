@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 
 MIN_TOKEN_BUCKET = 16
-MIN_LABEL_BUCKET = 4
+MIN_LABEL_BUCKET = 16  # gathering a few more labels costs nothing; a recompile does
 
 
 def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET) -> int:

@@ -27,7 +27,7 @@ class ScoreResult:
 
     @property
     def label_probs(self) -> np.ndarray:
-        """Softmax over the given labels per item: each row sums to 1 (relative, not true, probs)."""
+        """Softmax over the given labels per item; rows sum to 1 (relative, not true, probs)."""
         return scipy.special.softmax(self.logprobs, axis=1)
 
     @property

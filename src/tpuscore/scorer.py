@@ -27,7 +27,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def resolve_dtype(dtype: Any) -> np.dtype:
-    """float32 on CPU and bfloat16 on accelerators unless asked; "float32" and "bfloat16" accepted."""
+    """float32 on CPU, bfloat16 on accelerators, unless asked: "float32" or "bfloat16"."""
     if dtype is None:
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
@@ -134,11 +134,15 @@ class Scorer:
             name = registry.select(batch)
         out = self._backend(name).score(batch)
         if not out.valid[:n].all():
-            raise RuntimeError(f"backend {name!r} left items unscored: {np.flatnonzero(~out.valid[:n])}")
+            raise RuntimeError(
+                f"backend {name!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
+            )
         logprobs = np.array(out.logprobs[:n, :c], dtype=np.float32)
         logprobs.setflags(write=False)
         logger.debug("scored %d items x %d labels with %s (%d tokens)", n, c, name, out.num_tokens)
-        return ScoreResult(logprobs, backend=name, num_tokens=out.num_tokens, apply_softmax=apply_softmax)
+        return ScoreResult(
+            logprobs, backend=name, num_tokens=out.num_tokens, apply_softmax=apply_softmax
+        )
 
     def _backend(self, name: str) -> backends.Backend:
         with self._lock:

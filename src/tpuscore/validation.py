@@ -113,14 +113,18 @@ def _labels(
             "label_token_ids",
         )
     if len(label_token_ids) == 0:
-        raise ValidationError("empty_label_token_ids", "label_token_ids is empty", "label_token_ids")
+        raise ValidationError(
+            "empty_label_token_ids", "label_token_ids is empty", "label_token_ids"
+        )
     return _token_ids(label_token_ids, "label_token_ids", "invalid_label_token_ids", vocab_size)
 
 
 def _require(tokenizer: tokenizers.Tokenizer | None, param: str) -> tokenizers.Tokenizer:
     if tokenizer is None:
         raise ValidationError(
-            "invalid_argument", f"{param} is text but this model has no tokenizer; pass token ids", param
+            "invalid_argument",
+            f"{param} is text but this model has no tokenizer; pass token ids",
+            param,
         )
     return tokenizer
 
@@ -147,7 +151,9 @@ def validate(
         text = False
     else:
         raise ValidationError(
-            "invalid_query", f"query must be a str or a list of int token ids, got {query!r}", "query"
+            "invalid_query",
+            f"query must be a str or a list of int token ids, got {query!r}",
+            "query",
         )
     if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
         raise ValidationError(

@@ -1,4 +1,4 @@
-"""reference: the CPU oracle. Plain numpy in float32, one sequence at a time, dense causal attention.
+"""reference: the CPU oracle. Plain numpy float32, one sequence at a time, dense causal attention.
 
 Written independently of `models/decoder.py` (no JAX, K/V heads repeated the obvious way) so that
 the two can check each other. Slow is fine; clear is required.

@@ -26,7 +26,9 @@ _FACTORIES: dict[str, BackendFactory] = {}
 def register(name: str, factory: BackendFactory) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it."""
     if not isinstance(name, str) or not name or name == AUTO:
-        raise ValueError(f"backend name must be a non-empty string other than {AUTO!r}, got {name!r}")
+        raise ValueError(
+            f"backend name must be a non-empty string other than {AUTO!r}, got {name!r}"
+        )
     if not callable(factory):
         raise TypeError(f"factory for backend {name!r} must be callable, got {factory!r}")
     _FACTORIES[name] = factory

@@ -1,8 +1,8 @@
 """Orbax save and restore of a scorer's model: parameters, config and tokenizer in one directory.
 
-    path/params/        Orbax checkpoint of the parameter tree
-    path/tpuscore.json  {"format": 1, "config": ModelConfig fields}
-    path/tokenizer.json
+path/params/        Orbax checkpoint of the parameter tree
+path/tpuscore.json  {"format": 1, "config": ModelConfig fields}
+path/tokenizer.json
 """
 
 from __future__ import annotations

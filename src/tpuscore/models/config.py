@@ -77,7 +77,9 @@ class ModelConfig:
                 f"supported: {', '.join(FAMILIES)}"
             )
         if hf.get("use_sliding_window"):
-            raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
+            raise UnsupportedModelError(
+                "sliding-window attention (use_sliding_window) is not supported"
+            )
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("MLP biases (mlp_bias) are not supported")
         heads = hf["num_attention_heads"]

@@ -105,8 +105,10 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
     if cfg.o_bias:
         table["self_attn.o_proj.bias"] = ("bo", _identity)
     if cfg.qk_norm:
-        table |= {"self_attn.q_norm.weight": ("q_norm", _identity),
-                  "self_attn.k_norm.weight": ("k_norm", _identity)}
+        table |= {
+            "self_attn.q_norm.weight": ("q_norm", _identity),
+            "self_attn.k_norm.weight": ("k_norm", _identity),
+        }
     return table
 
 
@@ -146,7 +148,9 @@ def params_from_checkpoint(
 
     for ckpt_name, (name, transform) in top.items():
         if ckpt_name in present:
-            params[name] = put(name, transform(np.asarray(tensors[ckpt_name])), shapes[name], ckpt_name)
+            params[name] = put(
+                name, transform(np.asarray(tensors[ckpt_name])), shapes[name], ckpt_name
+            )
     layer_re = re.compile(r"model\.layers\.(\d+)\.(.+)")
     for ckpt_name in sorted(present & expected):
         m = layer_re.fullmatch(ckpt_name)

