@@ -1,11 +1,13 @@
 """Facade behaviour: result semantics, labels, registry, determinism, serial == reference."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
 
 from conftest import random_tokens
-from tpuscore import ScoreResult, backends
+from tpuscore import Scorer, ScoreResult, backends
 from tpuscore.backends.serial import SerialBackend
 
 
@@ -117,3 +119,20 @@ def test_register_rejects_bad_names_and_factories():
         backends.register("", SerialBackend)
     with pytest.raises(TypeError):
         backends.register("x", "not callable")
+
+
+def test_bfloat16_scores_track_float32(scorers, rng):
+    f32 = scorers("llama_gqa_untied")
+    bf16 = Scorer(f32.config, f32.params, f32.tokenizer, dtype="bfloat16")
+    assert jax.tree.leaves(bf16.params)[0].dtype == jnp.bfloat16
+    query = random_tokens(rng, 50, f32.config.vocab_size)
+    items = [random_tokens(rng, n, f32.config.vocab_size) for n in (0, 4, 13)]
+    exact = f32.score(query, items, [1, 2, 3]).logprobs
+    rounded = bf16.score(query, items, [1, 2, 3]).logprobs
+    assert rounded.dtype == np.float32
+    np.testing.assert_allclose(rounded, exact, atol=0.1, rtol=0)  # bf16 weights: loose by design
+
+
+def test_unknown_dtype_is_rejected(scorers):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Scorer(scorers("qwen2_bias").config, scorers("qwen2_bias").params, None, dtype="float16")

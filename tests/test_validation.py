@@ -112,6 +112,6 @@ def test_valid_edge_inputs_reach_the_backend(scorer):
 
 def test_empty_items_return_an_empty_result_without_a_backend(scorer):
     result = scorer.score("query", [], [1, 2, 3], backend="spy")
-    assert result.logprobs.shape == (0, 3)
+    assert result.logprobs.shape == (0, 3) and result.backend == "none"
     assert result.scores.shape == (0, 3) and result.label_probs.shape == (0, 3)
     assert SpyBackend.calls == 0

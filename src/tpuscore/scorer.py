@@ -126,9 +126,9 @@ class Scorer:
             max_sequence_length=self.config.max_position_embeddings,
         )
         n, c = len(request.items), len(request.label_ids)
-        if n == 0:
+        if n == 0:  # nothing to run: no backend is called
             empty = np.zeros((0, c), np.float32)
-            return ScoreResult(empty, backend=name, num_tokens=0, apply_softmax=apply_softmax)
+            return ScoreResult(empty, backend="none", num_tokens=0, apply_softmax=apply_softmax)
         batch = make_batch(request.query, request.items, request.label_ids, request.item_first)
         if name == registry.AUTO:
             name = registry.select(batch)
