@@ -1,5 +1,7 @@
 """Facade behaviour: result semantics, labels, registry, determinism, serial == reference."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,18 @@ def test_bfloat16_scores_track_float32(scorers, rng):
 def test_unknown_dtype_is_rejected(scorers):
     with pytest.raises(ValueError, match="dtype must be one of"):
         Scorer(scorers("qwen2_bias").config, scorers("qwen2_bias").params, None, dtype="float16")
+
+
+def test_threads_get_their_sequential_results(scorers, rng):
+    scorer = scorers("qwen3_qknorm")
+    vocab = scorer.config.vocab_size
+    requests = [
+        (random_tokens(rng, int(q), vocab), [random_tokens(rng, int(n), vocab) for n in lens])
+        for q, lens in [(5, (1, 2)), (40, (9,)), (0, (3, 3, 3)), (77, (0, 20))]
+    ]
+    sequential = [scorer.score(q, items, [1, 2]).logprobs for q, items in requests]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            futures = [pool.submit(scorer.score, q, items, [1, 2]) for q, items in requests]
+            for future, expected in zip(futures, sequential, strict=True):
+                np.testing.assert_array_equal(future.result().logprobs, expected)
