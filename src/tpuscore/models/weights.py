@@ -140,7 +140,7 @@ def params_from_checkpoint(
     stacked: dict[str, list] = {name: [None] * cfg.num_layers for name, _ in layer_table.values()}
     misshapen = []
 
-    def put(name: str, value: np.ndarray, want: tuple, where: str) -> np.ndarray | None:
+    def put(value: np.ndarray, want: tuple, where: str) -> np.ndarray | None:
         if value.shape != want:
             misshapen.append(f"{where}: shape {value.shape}, expected {want}")
             return None
@@ -148,9 +148,7 @@ def params_from_checkpoint(
 
     for ckpt_name, (name, transform) in top.items():
         if ckpt_name in present:
-            params[name] = put(
-                name, transform(np.asarray(tensors[ckpt_name])), shapes[name], ckpt_name
-            )
+            params[name] = put(transform(np.asarray(tensors[ckpt_name])), shapes[name], ckpt_name)
     layer_re = re.compile(r"model\.layers\.(\d+)\.(.+)")
     for ckpt_name in sorted(present & expected):
         m = layer_re.fullmatch(ckpt_name)
@@ -159,7 +157,7 @@ def params_from_checkpoint(
         i, suffix = int(m.group(1)), m.group(2)
         name, transform = layer_table[suffix]
         value = transform(np.asarray(tensors[ckpt_name]))
-        stacked[name][i] = put(name, value, shapes["layers"][name][1:], ckpt_name)
+        stacked[name][i] = put(value, shapes["layers"][name][1:], ckpt_name)
 
     if missing or unexpected or misshapen:
         lines = [f"checkpoint does not match its {cfg.family} config:"]
