@@ -180,19 +180,13 @@ def validate(
 
     if text:
         tok = _require(tokenizer, "query")
-        query_ids = tokenization.encode_query(tok, query)
-        item_ids = tokenization.encode_items(tok, list(items))
-    else:
-        query_ids = _token_ids(query, "query", "invalid_query", vocab_size)
-        item_ids = [
-            _token_ids(item, f"items[{i}]", "invalid_items", vocab_size)
-            for i, item in enumerate(items)
-        ]
-    # Text ids come from the tokenizer, which may know more tokens than the model embeds.
-    if text:
-        _token_ids(query_ids, "query", "invalid_query", vocab_size)
-        for i, ids in enumerate(item_ids):
-            _token_ids(ids, f"items[{i}]", "invalid_items", vocab_size)
+        query = tokenization.encode_query(tok, query)
+        items = tokenization.encode_items(tok, list(items))
+    # Text ids are checked too: a tokenizer may know more tokens than the model embeds.
+    query_ids = _token_ids(query, "query", "invalid_query", vocab_size)
+    item_ids = [
+        _token_ids(item, f"items[{i}]", "invalid_items", vocab_size) for i, item in enumerate(items)
+    ]
 
     for i, ids in enumerate(item_ids):
         length = len(query_ids) + len(ids)
