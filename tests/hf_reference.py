@@ -224,12 +224,19 @@ def load_model(path_dir: str | os.PathLike[str]) -> torch.nn.Module:
 def hf_logprobs(
     path_dir: str | os.PathLike[str], sequences: list[list[int]], label_ids: list[int]
 ) -> np.ndarray:
-    """log P(label | sequence) for each sequence and label, computed by transformers.
+    """log P(label | sequence) for each sequence and label, computed by transformers from the
+    checkpoint at `path_dir` (see `model_logprobs`)."""
+    return model_logprobs(load_model(path_dir), sequences, label_ids)
+
+
+def model_logprobs(
+    model: torch.nn.Module, sequences: list[list[int]], label_ids: list[int]
+) -> np.ndarray:
+    """log P(label | sequence) for each sequence and label, computed by a transformers model.
 
     Each sequence runs alone (no padding); the logits at its last position go through a float64
     log_softmax over the whole model vocabulary. Returns float64 [len(sequences), len(label_ids)].
     """
-    model = load_model(path_dir)
     vocab_size = model.config.vocab_size
     bad_labels = [i for i in label_ids if not 0 <= i < vocab_size]
     if bad_labels:

@@ -3,8 +3,8 @@ the same file."""
 
 import numpy as np
 import pytest
-import torch
 
+from hf_reference import model_logprobs
 from tpuscore import Scorer
 
 pytestmark = pytest.mark.default_model
@@ -16,20 +16,11 @@ def scorer(default_model_path):
     return Scorer.from_pretrained(dtype="float32")
 
 
-def hf_logprobs(model, sequences, label_ids):
-    rows = []
-    with torch.no_grad():
-        for seq in sequences:
-            logits = model(torch.tensor([seq])).logits[0, -1].double()
-            rows.append(torch.log_softmax(logits, -1)[label_ids].numpy())
-    return np.stack(rows)
-
-
 def test_capital_of_france(scorer, hf_default_model):
     result = scorer.score("The capital of France is", [""], labels=[" Paris", " London"])
     query = scorer.tokenizer.encode("The capital of France is").ids
     labels = [scorer.tokenizer.token_to_id(t) for t in ("ĠParis", "ĠLondon")]
-    expected = hf_logprobs(hf_default_model, [query], labels)
+    expected = model_logprobs(hf_default_model, [query], labels)
     np.testing.assert_allclose(result.logprobs, expected, atol=ATOL, rtol=0)
     assert result.logprobs[0, 0] == pytest.approx(-0.258, abs=0.01)
     assert result.logprobs[0, 1] == pytest.approx(-4.384, abs=0.01)
@@ -56,7 +47,7 @@ def test_parity_with_transformers(scorer, hf_default_model, item_first):
     items = [scorer.tokenizer.encode(i, add_special_tokens=False).ids for i in ITEMS]
     sequences = [i + query if item_first else query + i for i in items]
     label_ids = [scorer.tokenizer.encode(lab, add_special_tokens=False).ids[0] for lab in labels]
-    expected = hf_logprobs(hf_default_model, sequences, label_ids)
+    expected = model_logprobs(hf_default_model, sequences, label_ids)
     np.testing.assert_allclose(result.logprobs, expected, atol=ATOL, rtol=0)
     reference = scorer.score(
         QUERY, ITEMS, labels=labels, item_first=item_first, backend="reference"
