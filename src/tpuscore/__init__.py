@@ -1,8 +1,8 @@
 """tpuscore: score candidate items with a decoder-only LLM in JAX.
 
-scorer = Scorer.from_pretrained()          # the embedded SmolLM2-135M-Instruct
-result = scorer.score("The capital of France is", [""], labels=[" Paris", " London"])
-result.logprobs                            # [n_items, n_labels] log P(label | query + item)
+>>> scorer = Scorer.from_pretrained()  # the embedded SmolLM2-135M-Instruct
+>>> result = scorer.score("The capital of France is", [""], labels=[" Paris", " London"])
+>>> result.logprobs  # [n_items, n_labels]: log P(label | query + item)
 """
 
 from tpuscore import backends

@@ -1,8 +1,8 @@
 """Orbax save and restore of a scorer's model: parameters, config and tokenizer in one directory.
 
-path/params/        Orbax checkpoint of the parameter tree
-path/tpuscore.json  {"format": 1, "config": ModelConfig fields}
-path/tokenizer.json
+- `params/`: the Orbax checkpoint of the parameter tree;
+- `tpuscore.json`: `{"format": 1, "config": <ModelConfig fields>}`;
+- `tokenizer.json`: the tokenizer.
 """
 
 from __future__ import annotations
