@@ -9,6 +9,9 @@ float32. The LM head is applied only to the rows being scored, never to every to
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +20,8 @@ from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 
 f32 = jnp.float32
+CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
+SCORE_BLOCK_BYTES = 256 << 20
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -37,25 +42,102 @@ def rope_angles(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with GQA, no K/V repeat. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S]."""
+def _masked_exp(scores: jax.Array, mask: jax.Array):
+    """Unnormalized softmax over the last axis: max m, e = exp(scores - m) (0 where masked), sum.
+
+    A fully masked row gives m = finfo.min, e = 0 and sum 0, which `_merge` weighs as zero.
+    """
+    scores = jnp.where(mask, scores, jnp.finfo(f32).min)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    return m, e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=f32)
+
+
+def _own_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+    """Attention of q [B,T,N,H] to k/v [B,S,K,H] under mask [B,T,S], unnormalized.
+
+    Returns o [B,T,K,G,H] (sum of exp-weighted values), max and exp sum [B,T,K,G,1]. GQA
+    without a K/V repeat: [B, K, G*T, H] @ [B, K, H, S], one batched matmul per kv head.
+    """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    # [B, K, G*T, H] @ [B, K, H, S]: one batched matmul per kv head.
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    k = k.transpose(0, 2, 3, 1)
-    v = v.transpose(0, 2, 1, 3)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == f32 else None
-    scores = jnp.matmul(q, k, precision=precision, preferred_element_type=f32) / jnp.sqrt(H)
+    scores = _matmul(q, k.transpose(0, 2, 3, 1)) / jnp.sqrt(H)
     scores = scores.reshape(B, K, G, T, S)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(f32).min)
-    probs = jax.nn.softmax(scores, axis=-1).reshape(B, K, G * T, S).astype(v.dtype)
-    out = jnp.matmul(probs, v, precision=precision, preferred_element_type=f32)
-    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    m, e, total = _masked_exp(scores, mask[:, None, None])
+    o = _matmul(e.reshape(B, K, G * T, S).astype(v.dtype), v.transpose(0, 2, 1, 3))
+    to_btkg = lambda x: x.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)  # noqa: E731
+    return to_btkg(o), to_btkg(m), to_btkg(total)
 
 
-def _layer(cfg: ModelConfig, x, p, cos, sin, mask):
+def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_mask: jax.Array):
+    """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
+
+    prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. The B*T query tokens meet the prefix in
+    [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the prefix is never copied per row.
+    Blocks keep the float32 scores small enough to stay in cache between the two matmuls and the
+    exp, which on CPU would otherwise be bound by memory. Returns o [B,T,K,G,H], max and exp sum
+    [B,T,K,G,1].
+    """
+    B, T, N, H = q.shape
+    K, P = prefix_k.shape[0], prefix_k.shape[2]
+    G = N // K
+    t = _block_tokens(B * T, bytes_per_token=N * P * 4)
+    q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
+
+    def block(q):
+        scores = _matmul(q, prefix_k) / jnp.sqrt(H)
+        m, e, total = _masked_exp(scores, prefix_mask)
+        return _matmul(e.astype(prefix_v.dtype), prefix_v), m, total
+
+    def to_btkg(x):
+        return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
+
+    return tuple(map(to_btkg, jax.lax.map(block, q)))
+
+
+def _block_tokens(tokens: int, bytes_per_token: int) -> int:
+    """The largest divisor of tokens whose scores fit the block budget (at least 1)."""
+    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
+    fits = max(1, budget // bytes_per_token)
+    return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
+
+
+def _merge(*parts) -> jax.Array:
+    """Exact softmax attention [B,T,N,H] from partial results over disjoint key sets."""
+    m = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    scales = [jnp.exp(mi - m) for _, mi, _ in parts]
+    o = sum(oi * s for (oi, _, _), s in zip(parts, scales, strict=True))
+    total = sum(li * s for (_, _, li), s in zip(parts, scales, strict=True))
+    B, T, K, G, H = o.shape
+    return (o / total).reshape(B, T, K * G, H)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H]."""
+    return _merge(_own_parts(q, k, v, mask))
+
+
+class Prefix(NamedTuple):
+    """K/V of a shared token prefix, in the layout the prefix matmul wants.
+
+    k [layers, K, H, P], v [layers, K, P, H]: positions at or past `length` are padding.
+    last_hidden [D]: the final hidden state of the prefix's last token (scores an empty item).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+    last_hidden: jax.Array
+
+
+def _qkv(cfg: ModelConfig, x, p, cos, sin):
     dtype = p["wq"].dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q = _dot("btd,dnh->btnh", h, p["wq"])
@@ -68,7 +150,11 @@ def _layer(cfg: ModelConfig, x, p, cos, sin, mask):
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = rope.rotate(q, cos, sin, xp=jnp).astype(dtype)
     k = rope.rotate(k, cos, sin, xp=jnp).astype(dtype)
-    o = attend(q, k, v.astype(dtype), mask)
+    return q, k, v.astype(dtype)
+
+
+def _finish(cfg: ModelConfig, x, o, p):
+    """Output projection, residual and MLP after attention output o [B,T,N,H]."""
     attn = _dot("btnh,nhd->btd", o, p["wo"])
     if cfg.o_bias:
         attn = attn + p["bo"]
@@ -88,13 +174,45 @@ def forward(
     one key (padding rows: their own position).
     """
     cos, sin = rope_angles(cfg, positions)
-    x = params["embed"][tokens].astype(f32)
 
-    def step(x, layer_params):
-        return _layer(cfg, x, layer_params, cos, sin, mask), None
+    def step(x, p):
+        q, k, v = _qkv(cfg, x, p, cos, sin)
+        return _finish(cfg, x, attend(q, k, v, mask), p), None
 
-    x, _ = jax.lax.scan(step, x, params["layers"])
+    x, _ = jax.lax.scan(step, params["embed"][tokens].astype(f32), params["layers"])
     return x
+
+
+def extend(
+    params: Params,
+    cfg: ModelConfig,
+    prefix: Prefix,
+    tokens: jax.Array,
+    mask: jax.Array,
+    *,
+    return_kv: bool = False,
+):
+    """Run tokens [B, T], each row continuing the same shared `prefix`, without copying it.
+
+    Row tokens sit at positions prefix.length + [0, T) and attend to the whole prefix plus their
+    own row under mask [B, T, T] (which must allow each token itself). The two attention parts are
+    merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
+
+    Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
+    """
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(prefix.length + jnp.arange(T), (B, T))
+    cos, sin = rope_angles(cfg, positions)
+    prefix_mask = jnp.arange(prefix.k.shape[-1]) < prefix.length
+
+    def step(x, layer):
+        p, prefix_k, prefix_v = layer
+        q, k, v = _qkv(cfg, x, p, cos, sin)
+        o = _merge(_prefix_parts(q, prefix_k, prefix_v, prefix_mask), _own_parts(q, k, v, mask))
+        return _finish(cfg, x, o, p), (k, v) if return_kv else None
+
+    x = params["embed"][tokens].astype(f32)
+    return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v))
 
 
 def label_logprobs(
