@@ -7,15 +7,21 @@ import numpy as np
 import scipy.special
 
 
+def _read_only_float32(logprobs) -> np.ndarray:
+    logprobs = np.array(logprobs, dtype=np.float32)
+    logprobs.setflags(write=False)
+    return logprobs
+
+
 @attrs.frozen
 class ScoreResult:
     """Scores for every item x label.
 
-    logprobs: log P(label | sequence) over the full vocabulary, float32 [n_items, n_labels].
+    logprobs: log P(label | sequence) over the full vocabulary, read-only float32 [items, labels].
     backend: the backend that ran. num_tokens: token positions processed (usage accounting).
     """
 
-    logprobs: np.ndarray
+    logprobs: np.ndarray = attrs.field(converter=_read_only_float32)
     backend: str
     num_tokens: int
     apply_softmax: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from tpuscore.models import checkpoint, loading
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 from tpuscore.results import ScoreResult
-from tpuscore.validation import ValidationError, validate
+from tpuscore.validation import ScoreRequest, ValidationError, validate
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,10 @@ class Scorer:
     """Scores items against a query with a decoder-only LM: log P(label | query + item).
 
     Build one with `Scorer.from_pretrained(...)` and reuse it: it holds the weights on device and
-    its backends keep their compiled shapes. Safe to call from several threads.
+    its backends keep their compiled shapes and caches. Safe to call from several threads.
+
+    backend_options maps a backend name to its constructor options, for example
+    `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
     """
 
     def __init__(
@@ -51,14 +55,20 @@ class Scorer:
         *,
         dtype: Any = None,
         backend: str = registry.AUTO,
+        backend_options: Mapping[str, Mapping[str, Any]] | None = None,
     ):
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = resolve_dtype(dtype)
         self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
         self.default_backend = backend
+        self.backend_options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
         self._backends: dict[str, backends.Backend] = {}
         self._lock = threading.Lock()
+        for name in self.backend_options:  # bad names or options fail here, not mid-request
+            if name not in registry.available():
+                raise ValueError(f"backend_options names unknown backend {name!r}")
+            self.get_backend(name)
 
     @classmethod
     def from_pretrained(
@@ -67,6 +77,7 @@ class Scorer:
         *,
         dtype: Any = None,
         backend: str = registry.AUTO,
+        backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         revision: str | None = None,
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
@@ -81,7 +92,14 @@ class Scorer:
             local_files_only=local_files_only,
             cache_dir=cache_dir,
         )
-        return cls(config, params, tokenizer, dtype=np_dtype, backend=backend)
+        return cls(
+            config,
+            params,
+            tokenizer,
+            dtype=np_dtype,
+            backend=backend,
+            backend_options=backend_options,
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
@@ -106,6 +124,56 @@ class Scorer:
         strings that encode to single tokens. Text queries get the tokenizer's special tokens,
         items none; see `tpuscore.tokenization` for why the pieces are tokenized separately.
         """
+        name = self._backend_name(backend)
+        request = self._validate(
+            query,
+            items,
+            label_token_ids,
+            labels=labels,
+            apply_softmax=apply_softmax,
+            item_first=item_first,
+        )
+        return self._run([request], name)[0]
+
+    def score_batch(
+        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
+    ) -> list[ScoreResult]:
+        """Score many requests in one call; results come back in request order.
+
+        Each request is a mapping of `score`'s arguments: query, items, and label_token_ids or
+        labels, optionally apply_softmax and item_first. Every request is validated before any
+        runs; an error names the request (`param="requests[3].items"`). Requests with the same
+        query, labels and item_first run as one backend call, so their items fill batches
+        together and the query is processed once.
+        """
+        name = self._backend_name(backend)
+        validated = []
+        for i, request in enumerate(requests):
+            where = f"requests[{i}]"
+            if not isinstance(request, Mapping):
+                raise ValidationError(
+                    "invalid_argument",
+                    f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
+                    where,
+                )
+            try:
+                validated.append(self._validate(**request))
+            except ValidationError as e:
+                raise ValidationError(e.code, f"{where}: {e}", f"{where}.{e.param}") from None
+            except TypeError as e:  # a missing or unknown argument
+                raise ValidationError("invalid_argument", f"{where}: {e}", where) from None
+        return self._run(validated, name)
+
+    def get_backend(self, name: str) -> backends.Backend:
+        """The backend instance `name`, built on first use with its `backend_options`; for
+        example `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
+        with self._lock:
+            if name not in self._backends:
+                options = self.backend_options.get(name, {})
+                self._backends[name] = registry.factory(name)(self.config, self.params, **options)
+            return self._backends[name]
+
+    def _backend_name(self, backend: str | None) -> str:
         name = self.default_backend if backend is None else backend
         if name != registry.AUTO and name not in registry.available():
             raise ValidationError(
@@ -114,6 +182,18 @@ class Scorer:
                 f"{', '.join([registry.AUTO, *registry.available()])}",
                 "backend",
             )
+        return name
+
+    def _validate(
+        self,
+        query: Any,
+        items: Any,
+        label_token_ids: Any = None,
+        *,
+        labels: Any = None,
+        apply_softmax: Any = False,
+        item_first: Any = False,
+    ) -> tuple[ScoreRequest, bool]:
         request = validate(
             query,
             items,
@@ -125,27 +205,69 @@ class Scorer:
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
         )
-        n, c = len(request.items), len(request.label_ids)
-        if n == 0:  # nothing to run: no backend is called
-            empty = np.zeros((0, c), np.float32)
-            return ScoreResult(empty, backend="none", num_tokens=0, apply_softmax=apply_softmax)
-        batch = make_batch(request.query, request.items, request.label_ids, request.item_first)
-        if name == registry.AUTO:
-            name = registry.select(batch)
-        out = self._backend(name).score(batch)
-        if not out.valid[:n].all():
-            raise RuntimeError(
-                f"backend {name!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
-            )
-        logprobs = np.array(out.logprobs[:n, :c], dtype=np.float32)
-        logprobs.setflags(write=False)
-        logger.debug("scored %d items x %d labels with %s (%d tokens)", n, c, name, out.num_tokens)
-        return ScoreResult(
-            logprobs, backend=name, num_tokens=out.num_tokens, apply_softmax=apply_softmax
-        )
+        return request, apply_softmax
 
-    def _backend(self, name: str) -> backends.Backend:
-        with self._lock:
-            if name not in self._backends:
-                self._backends[name] = registry.factory(name)(self.config, self.params)
-            return self._backends[name]
+    def _run(self, requests: list[tuple[ScoreRequest, bool]], name: str) -> list[ScoreResult]:
+        """Run validated requests, one backend call per group of requests that share a query,
+        labels and item_first. Requests without items get an empty result from no backend."""
+        results = [
+            ScoreResult(
+                np.zeros((0, len(request.label_ids)), np.float32),
+                backend="none",
+                num_tokens=0,
+                apply_softmax=apply_softmax,
+            )
+            for request, apply_softmax in requests
+        ]
+        for batch, backend, members in self._plan(requests, name):
+            out = self.get_backend(backend).score(batch)
+            n, c = batch.num_items, batch.num_labels
+            if not out.valid[:n].all():
+                raise RuntimeError(
+                    f"backend {backend!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
+                )
+            logger.debug("scored %d items x %d labels with %s", n, c, backend)
+            counts = [len(requests[i][0].items) for i in members]
+            item_tokens = [sum(map(len, requests[i][0].items)) for i in members]
+            tokens = _share_tokens(out.num_tokens, counts, item_tokens)
+            start = 0
+            for i, count, num_tokens in zip(members, counts, tokens, strict=True):
+                results[i] = ScoreResult(
+                    out.logprobs[start : start + count, :c],
+                    backend=backend,
+                    num_tokens=num_tokens,
+                    apply_softmax=requests[i][1],
+                )
+                start += count
+        return results
+
+    def _plan(self, requests: list[tuple[ScoreRequest, bool]], name: str):
+        """(batch, backend name, member request indices) per group, all checked before any runs."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (request, _) in enumerate(requests):
+            if request.items:
+                key = (tuple(request.query), tuple(request.label_ids), request.item_first)
+                groups.setdefault(key, []).append(i)
+        plan = []
+        for (query, label_ids, item_first), members in groups.items():
+            items = [item for i in members for item in requests[i][0].items]
+            batch = make_batch(query, items, label_ids, item_first)
+            backend = registry.select(batch) if name == registry.AUTO else name
+            if item_first and not getattr(registry.factory(backend), "supports_item_first", True):
+                raise ValidationError(
+                    "unsupported_option",
+                    f"backend {backend!r} runs the query once as a prefix shared by all items, "
+                    "so it cannot put items first; use backend='serial' or 'auto'",
+                    "item_first",
+                )
+            plan.append((batch, backend, members))
+        return plan
+
+
+def _share_tokens(total: int, counts: list[int], item_tokens: list[int]) -> list[int]:
+    """Split a group's processed tokens between its requests: each its own item tokens, plus the
+    query work in proportion to its item count (the remainder to the first request)."""
+    shared = total - sum(item_tokens)
+    shares = [shared * c // sum(counts) for c in counts]
+    shares[0] += shared - sum(shares)
+    return [t + s for t, s in zip(item_tokens, shares, strict=True)]

@@ -1,4 +1,7 @@
-"""Backends by name: each name maps to a factory `factory(config, params) -> Backend`."""
+"""Backends by name: each name maps to a factory `factory(config, params, **options) -> Backend`.
+
+A backend whose class sets `supports_item_first = False` is never handed an item_first batch.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tpuscore.batching import BackendOutput, ScoreBatch
-from tpuscore.models.config import ModelConfig
-from tpuscore.models.weights import Params
 
 AUTO = "auto"
 
@@ -18,7 +19,7 @@ class Backend(Protocol):
     def score(self, batch: ScoreBatch) -> BackendOutput: ...
 
 
-BackendFactory = Callable[[ModelConfig, Params], Backend]
+BackendFactory = Callable[..., Backend]
 
 _FACTORIES: dict[str, BackendFactory] = {}
 
@@ -44,5 +45,6 @@ def factory(name: str) -> BackendFactory:
 
 
 def select(batch: ScoreBatch) -> str:
-    """The backend "auto" runs for this batch. Faster backends will be chosen here as they land."""
-    return "serial"
+    """The backend "auto" runs for this batch: prefill_extend whenever the query comes first (it
+    runs the query once, not once per item), else serial."""
+    return "serial" if batch.item_first else "prefill_extend"

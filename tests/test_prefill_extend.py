@@ -1,0 +1,108 @@
+"""prefill_extend against serial: same scores, whatever the item count, lengths and query."""
+
+import numpy as np
+import pytest
+
+from conftest import random_tokens
+from tpuscore import Scorer, ValidationError
+from tpuscore.backends.prefill_extend import bucket_item_tokens
+
+ATOL = 1e-4  # float32
+
+
+def _items(rng, count: int, vocab: int, max_len: int = 30, empty: bool = True):
+    lens = rng.integers(0 if empty else 1, max_len, size=count)
+    return [random_tokens(rng, int(n), vocab) for n in lens]
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 33, 200])
+def test_equals_serial_for_any_item_count(case, scorers, rng, count):
+    scorer = scorers(case)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, int(rng.integers(2, 90)), vocab)
+    items = _items(rng, count, vocab)
+    if count > 1:
+        items[1] = []  # scores the query's last token
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    serial = scorer.score(query, items, labels, backend="serial")
+    fast = scorer.score(query, items, labels, backend="prefill_extend")
+    np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+    assert fast.backend == "prefill_extend"
+
+
+@pytest.mark.parametrize("query_len", [0, 1])
+def test_equals_serial_for_the_shortest_queries(case, scorers, rng, query_len):
+    scorer = scorers(case)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, query_len, vocab)
+    items = _items(rng, 9, vocab, empty=query_len > 0)  # an empty query needs non-empty items
+    serial = scorer.score(query, items, [3, 4], backend="serial")
+    fast = scorer.score(query, items, [3, 4], backend="prefill_extend")
+    np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+
+
+def test_a_query_longer_than_one_prefill_chunk(scorers, rng, monkeypatch):
+    from tpuscore.backends import prefill_extend
+
+    monkeypatch.setattr(prefill_extend, "PREFILL_CHUNK", 64)  # 150 tokens: three chunks
+    scorer = scorers("llama3_rope_tied")
+    scorer = Scorer(scorer.config, scorer.params, scorer.tokenizer)  # a fresh, empty cache
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 150, vocab)
+    items = _items(rng, 5, vocab)
+    serial = scorer.score(query, items, [3, 4], backend="serial")
+    fast = scorer.score(query, items, [3, 4], backend="prefill_extend")
+    np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+
+
+def test_batches_of_any_size_give_the_same_scores(scorers, rng):
+    base = scorers("qwen2_bias")
+    vocab = base.config.vocab_size
+    query = random_tokens(rng, 30, vocab)
+    items = _items(rng, 9, vocab, max_len=40)
+    expected = base.score(query, items, [1, 2], backend="serial").logprobs
+    for batch_items in (1, 5):
+        options = {"prefill_extend": {"batch_items": batch_items}}
+        scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+        got = scorer.score(query, items, [1, 2], backend="prefill_extend").logprobs
+        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0, err_msg=str(batch_items))
+
+
+def test_counts_each_query_token_once(scorers, rng):
+    scorer = scorers("qwen3_qknorm")
+    scorer = Scorer(scorer.config, scorer.params, scorer.tokenizer)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 25, vocab)
+    items = _items(rng, 10, vocab)
+    result = scorer.score(query, items, [1], backend="prefill_extend")
+    assert result.num_tokens == len(query) + sum(map(len, items))
+
+
+def test_auto_picks_prefill_extend_unless_items_come_first(scorers):
+    scorer = scorers("qwen3_qknorm")
+    assert scorer.score([1, 2], [[3]], [4]).backend == "prefill_extend"
+    assert scorer.score([1, 2], [[3]], [4], item_first=True).backend == "serial"
+
+
+def test_item_first_is_refused(scorers):
+    with pytest.raises(ValidationError) as err:
+        scorers("qwen3_qknorm").score([1, 2], [[3]], [4], item_first=True, backend="prefill_extend")
+    assert err.value.code == "unsupported_option" and err.value.param == "item_first"
+
+
+def test_bad_options_fail_when_the_scorer_is_built(scorers):
+    base = scorers("qwen3_qknorm")
+    for options, error in [
+        ({"prefill_extend": {"batch_items": 0}}, ValueError),
+        ({"prefill_extend": {"prefix_cache_bytes": -1}}, ValueError),
+        ({"prefill_extend": {"no_such_option": 1}}, TypeError),
+        ({"no_such_backend": {}}, ValueError),
+    ]:
+        with pytest.raises(error):
+            Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+
+
+def test_item_length_buckets_hold_their_items():
+    for n in range(0, 200):
+        size = bucket_item_tokens(n)
+        assert size >= max(n, 1) and (n > 32 or size - max(n, 1) < 4)

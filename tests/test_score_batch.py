@@ -1,0 +1,98 @@
+"""Scorer.score_batch: many requests in one call, each result as if scored alone."""
+
+import numpy as np
+import pytest
+
+from conftest import random_tokens
+from tpuscore import Scorer, ValidationError
+
+
+def test_results_equal_scoring_each_request_alone(scorers, rng):
+    scorer = scorers("llama3_rope_tied")
+    vocab = scorer.config.vocab_size
+    user = random_tokens(rng, 30, vocab)
+    pages = [[random_tokens(rng, int(n), vocab) for n in rng.integers(0, 12, 5)] for _ in range(3)]
+    requests = [
+        {"query": user, "items": pages[0], "label_token_ids": [1, 2]},
+        {"query": random_tokens(rng, 9, vocab), "items": pages[1], "label_token_ids": [1, 2]},
+        {"query": user, "items": pages[2], "label_token_ids": [1, 2], "apply_softmax": True},
+        {"query": user, "items": [], "label_token_ids": [1, 2, 3]},
+        {"query": user, "items": pages[1], "label_token_ids": [5]},  # other labels
+        {"query": user, "items": pages[0], "label_token_ids": [1, 2], "item_first": True},
+        {"query": "the fox", "items": [" jumps", ""], "labels": [" the", "x"]},
+    ]
+    results = scorer.score_batch(requests)
+    assert len(results) == len(requests)
+    for request, result in zip(requests, results, strict=True):
+        alone = scorer.score(**request)
+        np.testing.assert_allclose(result.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+        assert result.backend == alone.backend
+        assert result.apply_softmax == request.get("apply_softmax", False)
+        assert not result.logprobs.flags.writeable
+    assert results[3].logprobs.shape == (0, 3) and results[3].backend == "none"
+    assert results[5].backend == "serial"  # item_first goes to serial under auto
+
+
+def test_requests_sharing_a_query_run_it_once(scorers, rng):
+    base = scorers("qwen2_bias")
+    scorer = Scorer(base.config, base.params, base.tokenizer)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 40, vocab)
+    pages = [[random_tokens(rng, int(n), vocab) for n in rng.integers(1, 9, 4)] for _ in range(5)]
+    results = scorer.score_batch(
+        [{"query": query, "items": p, "label_token_ids": [3]} for p in pages]
+    )
+    cache = scorer.get_backend("prefill_extend").cache
+    assert (cache.misses, cache.hits) == (1, 0)  # one backend call for all five pages
+    item_tokens = [sum(map(len, page)) for page in pages]
+    assert sum(r.num_tokens for r in results) == len(query) + sum(item_tokens)
+    for result, tokens in zip(results, item_tokens, strict=True):
+        assert result.num_tokens >= tokens  # its own items, plus its share of the query
+
+
+def test_serial_token_counts_split_exactly(scorers, rng):
+    scorer = scorers("qwen3_qknorm")
+    query = random_tokens(rng, 11, scorer.config.vocab_size)
+    pages = [[[1, 2, 3]], [[4], [5, 6]]]
+    requests = [{"query": query, "items": p, "label_token_ids": [1]} for p in pages]
+    results = scorer.score_batch(requests, backend="serial")
+    assert [r.num_tokens for r in results] == [11 + 3, 2 * 11 + 3]
+
+
+@pytest.mark.parametrize(
+    "bad, code, param",
+    [
+        (
+            {"query": [1], "items": [[2]], "label_token_ids": []},
+            "empty_label_token_ids",
+            "requests[1].label_token_ids",
+        ),
+        (
+            {"query": [1], "items": [[10**6]], "label_token_ids": [1]},
+            "token_id_exceeds_vocab",
+            "requests[1].items[0]",
+        ),
+        ({"query": [1], "items": [[2]]}, "empty_label_token_ids", "requests[1].label_token_ids"),
+        ({"query": [1], "label_token_ids": [1]}, "invalid_argument", "requests[1]"),
+        (
+            {"query": [1], "items": [[2]], "label_token_ids": [1], "colour": 1},
+            "invalid_argument",
+            "requests[1]",
+        ),
+        (([1], [[2]], [1]), "invalid_argument", "requests[1]"),
+    ],
+)
+def test_a_bad_request_fails_the_call_before_anything_runs(scorers, bad, code, param):
+    scorer = scorers("qwen3_qknorm")
+    good = {"query": [1, 2], "items": [[3]], "label_token_ids": [4]}
+    with pytest.raises(ValidationError) as err:
+        scorer.score_batch([good, bad])
+    assert err.value.code == code and err.value.param == param
+    assert "requests[1]" in str(err.value)
+
+
+def test_an_unknown_backend_is_refused(scorers):
+    with pytest.raises(ValidationError) as err:
+        scorers("qwen3_qknorm").score_batch([], backend="nope")
+    assert err.value.code == "unknown_backend"
+    assert scorers("qwen3_qknorm").score_batch([]) == []
