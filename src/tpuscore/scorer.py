@@ -193,8 +193,8 @@ class Scorer:
         labels: Any = None,
         apply_softmax: Any = False,
         item_first: Any = False,
-    ) -> tuple[ScoreRequest, bool]:
-        request = validate(
+    ) -> ScoreRequest:
+        return validate(
             query,
             items,
             label_token_ids,
@@ -205,9 +205,8 @@ class Scorer:
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
         )
-        return request, apply_softmax
 
-    def _run(self, requests: list[tuple[ScoreRequest, bool]], name: str) -> list[ScoreResult]:
+    def _run(self, requests: list[ScoreRequest], name: str) -> list[ScoreResult]:
         """Run validated requests, one backend call per group of requests that share a query,
         labels and item_first. Requests without items get an empty result from no backend."""
         results = [
@@ -215,11 +214,11 @@ class Scorer:
                 np.zeros((0, len(request.label_ids)), np.float32),
                 backend="none",
                 num_tokens=0,
-                apply_softmax=apply_softmax,
+                apply_softmax=request.apply_softmax,
             )
-            for request, apply_softmax in requests
+            for request in requests
         ]
-        for batch, backend, members in self._plan(requests, name):
+        for batch, backend, members in self._groups(requests, name):
             out = self.get_backend(backend).score(batch)
             n, c = batch.num_items, batch.num_labels
             if not out.valid[:n].all():
@@ -227,8 +226,8 @@ class Scorer:
                     f"backend {backend!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
                 )
             logger.debug("scored %d items x %d labels with %s", n, c, backend)
-            counts = [len(requests[i][0].items) for i in members]
-            item_tokens = [sum(map(len, requests[i][0].items)) for i in members]
+            counts = [len(requests[i].items) for i in members]
+            item_tokens = [sum(map(len, requests[i].items)) for i in members]
             tokens = _share_tokens(out.num_tokens, counts, item_tokens)
             start = 0
             for i, count, num_tokens in zip(members, counts, tokens, strict=True):
@@ -236,21 +235,21 @@ class Scorer:
                     out.logprobs[start : start + count, :c],
                     backend=backend,
                     num_tokens=num_tokens,
-                    apply_softmax=requests[i][1],
+                    apply_softmax=requests[i].apply_softmax,
                 )
                 start += count
         return results
 
-    def _plan(self, requests: list[tuple[ScoreRequest, bool]], name: str):
+    def _groups(self, requests: list[ScoreRequest], name: str):
         """(batch, backend name, member request indices) per group, all checked before any runs."""
         groups: dict[tuple, list[int]] = {}
-        for i, (request, _) in enumerate(requests):
+        for i, request in enumerate(requests):
             if request.items:
                 key = (tuple(request.query), tuple(request.label_ids), request.item_first)
                 groups.setdefault(key, []).append(i)
         plan = []
         for (query, label_ids, item_first), members in groups.items():
-            items = [item for i in members for item in requests[i][0].items]
+            items = [item for i in members for item in requests[i].items]
             batch = make_batch(query, items, label_ids, item_first)
             backend = registry.select(batch) if name == registry.AUTO else name
             if item_first and not getattr(registry.factory(backend), "supports_item_first", True):

@@ -37,6 +37,7 @@ class ScoreRequest:
     items: list[list[int]]
     label_ids: list[int]
     item_first: bool
+    apply_softmax: bool
 
 
 def _is_token_list(value: Any) -> bool:
@@ -203,4 +204,4 @@ def validate(
                 f"the model takes at most {max_sequence_length}",
                 "items",
             )
-    return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first))
+    return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first), bool(apply_softmax))
