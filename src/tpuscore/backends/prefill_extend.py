@@ -26,7 +26,7 @@ from tpuscore.prefix_cache import PrefixCache, default_budget
 
 logger = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 1024  # query tokens per prefill step: bounds its [chunk, prefix] attention
+PREFILL_CHUNK = 512  # query tokens per prefill step: bounds its own [chunk, chunk] attention
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 CPU_ACTIVATION_BYTES = 1 << 28
 ACCELERATOR_ACTIVATION_SHARE = 0.125
@@ -130,7 +130,7 @@ class PrefillExtendBackend:
         lens = batch.item_lens[:n]
         order = np.argsort(lens, kind="stable")  # similar lengths share a batch: less padding
         logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
-        for rows, L in self._plan(lens[order], prefix.k.shape[-1]):
+        for rows, L in self._plan(lens[order]):
             items = np.zeros((bucket_count(len(rows)), L), np.int32)
             item_lens = np.zeros(items.shape[0], np.int32)
             item_lens[: len(rows)] = lens[order[rows]]
@@ -165,28 +165,28 @@ class PrefillExtendBackend:
         logger.debug("prefilled %d of %d query tokens (%d cached)", n - start, n, start)
         return prefix, n - start
 
-    def _plan(self, sorted_lens: np.ndarray, prefix_size: int):
+    def _plan(self, sorted_lens: np.ndarray):
         """Batches over length-sorted items: (positions in sorted order, item-length bucket)."""
         start, n = 0, len(sorted_lens)
         while start < n:
             rows = n - start
             L = bucket_item_tokens(int(sorted_lens[start + rows - 1]))
-            cap = self._batch_rows(L, prefix_size)
+            cap = self._batch_rows(L)
             if rows > cap:  # shrinking the batch can only shorten its bucket: cap still holds
                 rows = cap
                 L = bucket_item_tokens(int(sorted_lens[start + rows - 1]))
             yield np.arange(start, start + rows), L
             start += rows
 
-    def _batch_rows(self, L: int, prefix_size: int) -> int:
+    def _batch_rows(self, L: int) -> int:
         """Items per extend step: the override, or as many (a power of two) as the activation
-        budget allows at this prefix size and item length."""
+        budget allows at this item length."""
         if self.batch_items is not None:
             return self.batch_items
         cfg = self.config
-        # Per item token: float32 scores and exp weights against every key, plus activations.
-        per_token = 3 * 4 * cfg.num_heads * (prefix_size + L)
-        per_token += 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        # Per item token, in float32: activations, and scores and exp weights against its own
+        # item. Scores against the prefix go through fixed-size blocks (`decoder._prefix_parts`).
+        per_token = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.num_heads * L)
         tokens = min(MAX_BATCH_TOKENS, self.activation_bytes // per_token)
         return _pow2_floor(tokens // L)
 
