@@ -1,5 +1,5 @@
 """Sessions: `nox -s demo` (score with the default model), `nox -s tests`, `nox -s lint`,
-`nox -s tpu_tests` (on a TPU host)."""
+`nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers)."""
 
 import glob
 
@@ -37,6 +37,15 @@ def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Items/s of tpuscore's backends against transformers (torch CPU) on the default model."""
+    session.install(TORCH)
+    session.install(".[dev]")
+    session.install(*DEFAULT_MODEL)
+    session.run("python", "benchmarks/bench.py", *session.posargs)
 
 
 @nox.session
