@@ -28,6 +28,11 @@ def bucket_count(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def pow2_floor(n: int) -> int:
+    """Largest power of two <= max(n, 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
 @attrs.frozen
 class ScoreBatch:
     """A validated request. Rows at or past `num_items` and labels past `num_labels` are padding.

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore.batching import BackendOutput, ScoreBatch, bucket_count, bucket_tokens
+from tpuscore.batching import BackendOutput, ScoreBatch, bucket_count, bucket_tokens, pow2_floor
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import Params
-from tpuscore.prefix_cache import PrefixCache, default_budget
+from tpuscore.prefix_cache import PrefixCache, default_budget, memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,6 @@ def bucket_item_tokens(n: int) -> int:
     return max(4, -(-n // 4) * 4) if n <= 32 else bucket_tokens(n)
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 class PrefillExtendBackend:
     """Options: prefix_cache_bytes (cache budget; default 1 GiB on CPU, a tenth of accelerator
     memory), batch_items (items per extend step; default from an activation-memory estimate),
@@ -114,7 +110,9 @@ class PrefillExtendBackend:
             default_budget() if prefix_cache_bytes is None else prefix_cache_bytes
         )
         self.batch_items = batch_items
-        self.activation_bytes = activation_bytes or _default_activation_bytes()
+        self.activation_bytes = activation_bytes or memory_budget(
+            ACCELERATOR_ACTIVATION_SHARE, CPU_ACTIVATION_BYTES
+        )
         dtype = params["layers"]["wk"].dtype
         L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
         self._empty = Prefix(
@@ -188,12 +186,4 @@ class PrefillExtendBackend:
         # item. Scores against the prefix go through fixed-size blocks (`decoder._prefix_parts`).
         per_token = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.num_heads * L)
         tokens = min(MAX_BATCH_TOKENS, self.activation_bytes // per_token)
-        return _pow2_floor(tokens // L)
-
-
-def _default_activation_bytes() -> int:
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"] * ACCELERATOR_ACTIVATION_SHARE)
-    return CPU_ACTIVATION_BYTES
+        return pow2_floor(tokens // L)

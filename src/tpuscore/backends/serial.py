@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore.batching import BackendOutput, ScoreBatch, bucket_count, bucket_tokens
+from tpuscore.batching import (
+    BackendOutput,
+    ScoreBatch,
+    bucket_count,
+    bucket_tokens,
+    pow2_floor,
+)
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
@@ -49,8 +55,8 @@ class SerialBackend:
         lens = batch.sequence_lens
         logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
         T = bucket_tokens(int(lens.max(initial=1)))
-        rows = min(MAX_ROWS, max(1, self.max_batch_tokens // T))
-        rows = 1 << (rows.bit_length() - 1)  # a power of two, so chunks reuse count buckets
+        # A power of two, so chunks reuse count buckets.
+        rows = pow2_floor(min(MAX_ROWS, self.max_batch_tokens // T))
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             tokens = np.zeros((bucket_count(stop - start), T), np.int32)
