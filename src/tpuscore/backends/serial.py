@@ -37,7 +37,8 @@ def score_sequences(
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    hidden = decoder.forward(params, cfg, tokens, positions, causal)
+    attention = functools.partial(decoder.attend, mask=causal)
+    hidden = decoder.forward(params, cfg, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
     return decoder.label_logprobs(params, cfg, last, label_ids)
 

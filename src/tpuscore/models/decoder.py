@@ -10,6 +10,7 @@ float32. The LM head is applied only to the rows being scored, never to every to
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -120,7 +121,9 @@ def _merge(*parts) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H]."""
+    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H].
+
+    Every row of the mask must allow at least one key (padding rows: their own position)."""
     return _merge(_own_parts(q, k, v, mask))
 
 
@@ -165,19 +168,25 @@ def _finish(cfg: ModelConfig, x, o, p):
     return x + _dot("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
 
 
+Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def forward(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, mask: jax.Array
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attention: Attention,
 ) -> jax.Array:
     """Final hidden states [B, T, D] (before the final norm) for tokens [B, T].
 
-    mask [B, T, T] says which keys each query token may attend to. Every row must allow at least
-    one key (padding rows: their own position).
+    attention maps q [B,T,N,H] and k/v [B,T,K,H] to [B,T,N,H], e.g. `attend` under a mask.
     """
     cos, sin = rope_angles(cfg, positions)
 
     def step(x, p):
         q, k, v = _qkv(cfg, x, p, cos, sin)
-        return _finish(cfg, x, attend(q, k, v, mask), p), None
+        return _finish(cfg, x, attention(q, k, v), p), None
 
     x, _ = jax.lax.scan(step, params["embed"][tokens].astype(f32), params["layers"])
     return x
