@@ -7,8 +7,8 @@ from transformers import PreTrainedTokenizerFast
 from conftest import random_tokens
 from hf_reference import hf_logprobs
 
-BACKENDS = ("serial", "prefill_extend", "reference")
-ITEM_FIRST_BACKENDS = ("serial", "reference")  # prefill_extend needs the query first
+BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
+ITEM_FIRST_BACKENDS = ("serial", "reference")  # the others need the query first
 ATOL = 1e-4  # float32
 
 

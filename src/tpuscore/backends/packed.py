@@ -1,0 +1,152 @@
+"""packed_dense and packed_segment: the query and many items in one sequence, one forward pass.
+
+Each chunk of items is packed behind the query (`packing.py`) and runs once: query tokens are
+computed once per chunk instead of once per item. Items are isolated by the shared-prefix segment
+mask, so scores equal serial up to float rounding. The two backends differ only in how attention
+applies that mask:
+
+- packed_dense materializes it as a [T, T] mask for XLA attention: simple, O(T^2) memory, so the
+  items are split into chunks whose estimated attention memory fits a budget.
+- packed_segment runs `kernels.segment_attention`, a Pallas flash-attention kernel that computes
+  the mask per tile from O(T) metadata and skips tiles the mask empties. Off TPU it runs in Pallas
+  interpret mode: right, but not fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpuscore import packing
+from tpuscore.batching import BackendOutput, ScoreBatch, bucket_tokens
+from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
+from tpuscore.models import decoder
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.weights import Params
+from tpuscore.prefix_cache import memory_budget
+
+logger = logging.getLogger(__name__)
+
+CPU_ACTIVATION_BYTES = 1 << 28
+ACCELERATOR_ACTIVATION_SHARE = 0.125
+MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "block_sizes"))
+def score_packed(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    prefix_len: jax.Array,
+    seg_start: jax.Array,
+    score_index: jax.Array,
+    label_ids: jax.Array,
+    cfg: ModelConfig,
+    block_sizes: BlockSizes | None,
+) -> jax.Array:
+    """Label logprobs [I, C] at positions score_index [I] of one packed sequence [T].
+
+    block_sizes None attends through a dense [T, T] mask; else through the segment kernel.
+    """
+    T = tokens.shape[0]
+    prefix_len, seg_start = prefix_len[None], seg_start[None]
+    if block_sizes is None:
+        attention = functools.partial(decoder.attend, mask=segment_mask(prefix_len, seg_start, T))
+    else:
+
+        def attention(q, k, v):
+            heads_first = functools.partial(
+                jnp.swapaxes, axis1=1, axis2=2
+            )  # [B,T,N,H] <-> [B,N,T,H]
+            o = segment_attention(
+                *map(heads_first, (q, k, v)), prefix_len, seg_start, block_sizes=block_sizes
+            )
+            return heads_first(o)
+
+    hidden = decoder.forward(params, cfg, tokens[None], positions[None], attention)
+    return decoder.label_logprobs(params, cfg, hidden[0, score_index], label_ids)
+
+
+class PackedBackend:
+    """Shared by both packed backends. Options: activation_bytes (the memory budget a chunk's
+    estimate must fit; default 256 MiB on CPU, an eighth of accelerator memory)."""
+
+    supports_item_first = False  # the query must come first to be a shared prefix
+    block_sizes: BlockSizes | None = None
+
+    def __init__(self, config: ModelConfig, params: Params, *, activation_bytes: int | None = None):
+        self.config = config
+        self.params = params
+        self.activation_bytes = activation_bytes or memory_budget(
+            ACCELERATOR_ACTIVATION_SHARE, CPU_ACTIVATION_BYTES
+        )
+
+    def score(self, batch: ScoreBatch) -> BackendOutput:
+        logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
+        num_tokens = 0
+        chunks = list(packing.plan(batch, self._fits, self.bucket))
+        logger.debug("%d items in %d packed chunks", batch.num_items, len(chunks))
+        for items, length in chunks:
+            if not self._fits(length):  # one item and the query, too long to split further
+                logger.warning(
+                    "packed length %d needs about %d bytes, over the %d-byte budget",
+                    length, self.memory_bytes(length), self.activation_bytes,
+                )  # fmt: skip
+            chunk = packing.pack(batch, items, length)
+            out = score_packed(
+                self.params,
+                chunk.tokens,
+                chunk.positions,
+                np.int32(chunk.prefix_len),
+                chunk.seg_start,
+                chunk.score_index,
+                batch.label_ids,
+                cfg=self.config,
+                block_sizes=self.block_sizes,
+            )
+            logprobs[items] = np.asarray(out)[: len(items)]
+            num_tokens += batch.query_len + int(batch.item_lens[items].sum())
+        valid = np.arange(logprobs.shape[0]) < batch.num_items
+        return BackendOutput(logprobs, valid, num_tokens=num_tokens)
+
+    def bucket(self, tokens: int) -> int:
+        """The packed length that `tokens` real tokens are padded to."""
+        return bucket_tokens(tokens)
+
+    def _fits(self, length: int) -> bool:
+        return length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= self.activation_bytes
+
+    def memory_bytes(self, length: int) -> int:
+        """Estimated peak memory of one layer at this packed length, in float32: activations."""
+        cfg = self.config
+        return 4 * length * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+
+
+class PackedDenseBackend(PackedBackend):
+    __doc__ = PackedBackend.__doc__
+
+    def memory_bytes(self, length: int) -> int:
+        # Plus the [T, T] mask and per head the float32 scores, exp weights and their cast.
+        attention = length * length * (1 + 12 * self.config.num_heads)
+        return super().memory_bytes(length) + attention
+
+
+class PackedSegmentBackend(PackedBackend):
+    """Shared by both packed backends, plus block_sizes: the kernel's tiles, a `BlockSizes` or a
+    dict of its fields."""
+
+    def __init__(self, config, params, *, block_sizes=None, activation_bytes=None):
+        super().__init__(config, params, activation_bytes=activation_bytes)
+        if isinstance(block_sizes, dict):
+            block_sizes = BlockSizes(**block_sizes)
+        if not isinstance(block_sizes, BlockSizes | None):
+            raise TypeError(f"block_sizes must be a BlockSizes or a dict, got {block_sizes!r}")
+        self.block_sizes = block_sizes or BlockSizes()
+
+    def bucket(self, tokens: int) -> int:
+        tile = self.block_sizes.tile  # the kernel needs whole tiles
+        return -(-bucket_tokens(tokens) // tile) * tile

@@ -1,0 +1,74 @@
+"""Packed layouts: the query and several items in one sequence, each item isolated from the others.
+
+No delimiter tokens: item boundaries are known in token space. Each item's RoPE positions restart
+at the query length, and the segment mask (`kernels.segment_attention`) lets it see the query and
+itself only, so it is scored on exactly the tokens serial scoring sees. Query [q0 q1], items
+[a0 a1], [] and [b0], bucket 8:
+
+    index       0   1   2   3   4   5   6   7
+    token       q0  q1  a0  a1  b0  pad pad pad
+    position    0   1   2   3   2   0   0   0
+    seg_start   0   0   2   2   4   5   6   7
+    scored at   a: 3, the empty item: 1 (the query's last token), b: 4
+
+Padding rows are segments of their own, so every row has a key to attend to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import attrs
+import numpy as np
+
+from tpuscore.batching import ScoreBatch, bucket_count
+
+
+@attrs.frozen
+class PackedChunk:
+    """One packed sequence: tokens, positions and seg_start [T]; score_index [I] (the position
+    whose next token is scored, per item, padded with 0); items: which batch rows it scores."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seg_start: np.ndarray
+    prefix_len: int
+    score_index: np.ndarray
+    items: np.ndarray
+
+
+def pack(batch: ScoreBatch, items: np.ndarray, length: int) -> PackedChunk:
+    """Pack the query and the batch rows `items` into `length` tokens (at least as many as they
+    hold), scoring bucket_count(len(items)) positions."""
+    Q = batch.query_len
+    tokens = np.zeros(length, np.int32)
+    positions = np.zeros(length, np.int32)
+    seg_start = np.arange(length, dtype=np.int32)  # padding: a segment of its own
+    tokens[:Q], positions[:Q], seg_start[:Q] = batch.query[:Q], np.arange(Q), 0
+    score_index = np.zeros(bucket_count(len(items)), np.int32)
+    start = Q
+    for row, i in enumerate(items):
+        n = int(batch.item_lens[i])
+        end = start + n
+        tokens[start:end] = batch.items[i, :n]
+        positions[start:end] = Q + np.arange(n)
+        seg_start[start:end] = start
+        score_index[row] = end - 1 if n else Q - 1
+        start = end
+    return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(items))
+
+
+def plan(
+    batch: ScoreBatch, fits: Callable[[int], bool], bucket: Callable[[int], int]
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Split the batch's items, in order, into chunks whose packed length `bucket(query + items)`
+    `fits`: (item rows, length). An item that does not fit even alone gets a chunk of its own."""
+    Q, lens = batch.query_len, batch.item_lens[: batch.num_items]
+    start, used = 0, Q
+    for i, n in enumerate(lens):
+        if i > start and not fits(bucket(used + n)):
+            yield np.arange(start, i), bucket(used)
+            start, used = i, Q
+        used += int(n)
+    if start < len(lens):
+        yield np.arange(start, len(lens)), bucket(used)

@@ -1,0 +1,163 @@
+"""packed_dense and packed_segment: the layout, and scores equal to serial with items isolated."""
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from conftest import random_tokens
+from test_buckets import COMPILE_EVENT
+from tpuscore import Scorer, ValidationError, packing
+from tpuscore.backends import packed
+from tpuscore.batching import MIN_LABEL_BUCKET, bucket_count, make_batch
+
+PACKED = ("packed_dense", "packed_segment")
+ATOL = 1e-4  # float32
+
+
+def test_layout_matches_the_docstring_picture():
+    batch = make_batch([11, 12], [[21, 22], [], [31]], [5], item_first=False)
+    chunk = packing.pack(batch, np.arange(3), 8)
+    np.testing.assert_array_equal(chunk.tokens, [11, 12, 21, 22, 31, 0, 0, 0])
+    np.testing.assert_array_equal(chunk.positions, [0, 1, 2, 3, 2, 0, 0, 0])
+    np.testing.assert_array_equal(chunk.seg_start, [0, 0, 2, 2, 4, 5, 6, 7])
+    np.testing.assert_array_equal(chunk.score_index, [3, 1, 4, 0])  # padded to 4 items
+    assert chunk.prefix_len == 2
+
+
+def test_plan_keeps_order_and_splits_where_the_next_item_would_not_fit():
+    batch = make_batch([1] * 10, [[2] * n for n in (5, 0, 20, 3, 30, 1)], [5], item_first=False)
+    chunks = list(packing.plan(batch, fits=lambda n: n <= 40, bucket=lambda n: n))
+    assert [(list(items), length) for items, length in chunks] == [
+        ([0, 1, 2, 3], 38),
+        ([4], 40),
+        ([5], 11),
+    ]
+    alone = list(packing.plan(batch, fits=lambda n: False, bucket=lambda n: n))
+    assert [list(items) for items, _ in alone] == [[i] for i in range(6)]  # never an empty chunk
+
+
+def _items(rng, count: int, vocab: int, max_len: int = 20):
+    return [random_tokens(rng, int(n), vocab) for n in rng.integers(0, max_len, size=count)]
+
+
+@pytest.mark.parametrize("backend", PACKED)
+@pytest.mark.parametrize("count", [1, 128])
+def test_equals_serial(case, scorers, rng, backend, count):
+    scorer = scorers(case)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, int(rng.integers(1, 60)), vocab)
+    items = _items(rng, count, vocab)
+    items[0] = []  # scores the query's last token
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    serial = scorer.score(query, items, labels, backend="serial")
+    got = scorer.score(query, items, labels, backend=backend)
+    np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+    assert got.backend == backend
+    assert got.num_tokens == len(query) + sum(map(len, items))  # one chunk: the query once
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_equals_serial_with_an_empty_query(scorers, rng, backend):
+    scorer = scorers("qwen2_bias")
+    items = [random_tokens(rng, int(n), scorer.config.vocab_size) for n in (1, 7, 3)]
+    serial = scorer.score([], items, [3, 4], backend="serial")
+    got = scorer.score([], items, [3, 4], backend=backend)
+    np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend, caplog):
+    base = scorers("llama_gqa_untied")
+    vocab = base.config.vocab_size
+    query = random_tokens(rng, 40, vocab)
+    items = _items(rng, 30, vocab)
+    serial = base.score(query, items, [1, 2], backend="serial").logprobs
+    cls = packed.PackedSegmentBackend if backend == "packed_segment" else packed.PackedDenseBackend
+    budget = cls(base.config, base.params).memory_bytes(256)  # room for ~256 packed tokens
+    options = {backend: {"activation_bytes": budget}}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    with caplog.at_level("DEBUG", logger=packed.__name__):
+        got = scorer.score(query, items, [1, 2], backend=backend)
+    np.testing.assert_allclose(got.logprobs, serial, atol=ATOL, rtol=0)
+    chunks = int(caplog.messages[0].split(" in ")[1].split()[0])
+    assert chunks > 1
+    assert got.num_tokens == chunks * len(query) + sum(map(len, items))
+
+
+@pytest.mark.parametrize("backend", PACKED)
+@pytest.mark.parametrize("same_length", [True, False])
+def test_changing_one_item_leaves_the_others_unchanged(scorers, rng, backend, same_length):
+    scorer = scorers("qwen3_qknorm")
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 25, vocab)
+    items = _items(rng, 12, vocab)
+    j = 5
+    changed = list(items)
+    n = len(items[j]) if same_length else len(items[j]) + int(rng.integers(1, 4))
+    changed[j] = random_tokens(rng, n, vocab)
+    before = scorer.score(query, items, [1, 2, 3], backend=backend).logprobs
+    after = scorer.score(query, changed, [1, 2, 3], backend=backend).logprobs
+    others = np.arange(len(items)) != j
+    np.testing.assert_allclose(after[others], before[others], atol=1e-6, rtol=0)
+    assert not np.allclose(after[j], before[j], atol=1e-6)  # the change itself did reach item j
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_item_first_is_refused(scorers, backend):
+    with pytest.raises(ValidationError) as err:
+        scorers("qwen2_bias").score([1, 2], [[3]], [4], item_first=True, backend=backend)
+    assert err.value.code == "unsupported_option"
+
+
+def test_block_sizes_option_is_validated(scorers):
+    scorer = scorers("qwen2_bias")
+    for bad, error in (({"block_q": 7}, ValueError), ("big", TypeError)):
+        options = {"packed_segment": {"block_sizes": bad}}
+        with pytest.raises(error):
+            Scorer(scorer.config, scorer.params, scorer.tokenizer, backend_options=options)
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch, backend):
+    scorer = scorers("llama3_rope_tied")
+    vocab = scorer.config.vocab_size
+    requests = []
+    for _ in range(50):
+        query = random_tokens(rng, int(rng.integers(1, 100)), vocab)
+        items = _items(rng, int(rng.integers(1, 40)), vocab)
+        labels = random_tokens(rng, int(rng.integers(1, 7)), vocab)
+        requests.append((query, items, labels))
+
+    shapes = []
+    original = packed.score_packed
+
+    def recording(params, tokens, *args, **kwargs):
+        shapes.append((tokens.shape, args[3].shape, args[4].shape))  # tokens, items, labels
+        return original(params, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(packed, "score_packed", recording)
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event == COMPILE_EVENT else None
+    )
+    jax.clear_caches()
+    for query, items, labels in requests:
+        scorer.score(query, items, labels, backend=backend)
+    first_pass = len(compiles)
+    distinct = set(shapes)
+    assert first_pass == len(distinct)  # each bucket shape compiles once
+    bucket = scorer.get_backend(backend).bucket
+    longest = max(len(q) + sum(map(len, items)) for q, items, _ in requests)
+    token_buckets = {bucket(n) for n in range(1, longest + 1)}
+    item_buckets = {bucket_count(n) for n in range(1, 41)}
+    label_buckets = {bucket_count(n, MIN_LABEL_BUCKET) for n in range(1, 7)}
+    for (length,), (items,), (labels,) in distinct:
+        assert length in token_buckets and items in item_buckets and labels in label_buckets
+    assert first_pass <= len(token_buckets) * len(item_buckets) * len(label_buckets)
+    print(
+        f"{len(distinct)} shapes from {len(requests)} requests; {len(token_buckets)} token buckets"
+    )
+    for query, items, labels in requests:  # the same stream again compiles nothing
+        scorer.score(query, items, labels, backend=backend)
+    assert len(compiles) == first_pass
