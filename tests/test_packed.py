@@ -27,14 +27,10 @@ def test_layout_matches_the_docstring_picture():
 
 def test_plan_keeps_order_and_splits_where_the_next_item_would_not_fit():
     batch = make_batch([1] * 10, [[2] * n for n in (5, 0, 20, 3, 30, 1)], [5], item_first=False)
-    chunks = list(packing.plan(batch, fits=lambda n: n <= 40, bucket=lambda n: n))
-    assert [(list(items), length) for items, length in chunks] == [
-        ([0, 1, 2, 3], 38),
-        ([4], 40),
-        ([5], 11),
-    ]
-    alone = list(packing.plan(batch, fits=lambda n: False, bucket=lambda n: n))
-    assert [list(items) for items, _ in alone] == [[i] for i in range(6)]  # never an empty chunk
+    chunks = [list(items) for items in packing.plan(batch, max_tokens=40)]
+    assert chunks == [[0, 1, 2, 3], [4], [5]]  # 38, 40 and 11 tokens
+    alone = [list(items) for items in packing.plan(batch, max_tokens=1)]
+    assert alone == [[i] for i in range(6)]  # never an empty chunk
 
 
 def _items(rng, count: int, vocab: int, max_len: int = 20):

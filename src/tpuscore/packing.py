@@ -16,7 +16,7 @@ Padding rows are segments of their own, so every row has a key to attend to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -58,17 +58,15 @@ def pack(batch: ScoreBatch, items: np.ndarray, length: int) -> PackedChunk:
     return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(items))
 
 
-def plan(
-    batch: ScoreBatch, fits: Callable[[int], bool], bucket: Callable[[int], int]
-) -> Iterator[tuple[np.ndarray, int]]:
-    """Split the batch's items, in order, into chunks whose packed length `bucket(query + items)`
-    `fits`: (item rows, length). An item that does not fit even alone gets a chunk of its own."""
+def plan(batch: ScoreBatch, max_tokens: int) -> Iterator[np.ndarray]:
+    """Split the batch's items, in order, into chunks of at most max_tokens query + item tokens
+    (item rows per chunk). An item too long to share a chunk gets one of its own."""
     Q, lens = batch.query_len, batch.item_lens[: batch.num_items]
     start, used = 0, Q
     for i, n in enumerate(lens):
-        if i > start and not fits(bucket(used + n)):
-            yield np.arange(start, i), bucket(used)
+        if i > start and used + n > max_tokens:
+            yield np.arange(start, i)
             start, used = i, Q
         used += int(n)
     if start < len(lens):
-        yield np.arange(start, len(lens)), bucket(used)
+        yield np.arange(start, len(lens))

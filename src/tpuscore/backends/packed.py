@@ -88,10 +88,12 @@ class PackedBackend:
     def score(self, batch: ScoreBatch) -> BackendOutput:
         logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
         num_tokens = 0
-        chunks = list(packing.plan(batch, self._fits, self.bucket))
+        # Chunks fill the longest bucket that fits the budget: only the last one pads much.
+        chunks = list(packing.plan(batch, self.max_tokens))
         logger.debug("%d items in %d packed chunks", batch.num_items, len(chunks))
-        for items, length in chunks:
-            if not self._fits(length):  # one item and the query, too long to split further
+        for items in chunks:
+            length = self.bucket(batch.query_len + int(batch.item_lens[items].sum()))
+            if length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
                     length, self.memory_bytes(length), self.activation_bytes,
@@ -117,8 +119,13 @@ class PackedBackend:
         """The packed length that `tokens` real tokens are padded to."""
         return bucket_tokens(tokens)
 
-    def _fits(self, length: int) -> bool:
-        return length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= self.activation_bytes
+    @functools.cached_property
+    def max_tokens(self) -> int:
+        """The longest packed length (a bucket) whose memory estimate fits the budget."""
+        fits, length = self.bucket(1), self.bucket(1)
+        while length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= self.activation_bytes:
+            fits, length = length, self.bucket(length + 1)
+        return fits
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length, in float32: activations."""
