@@ -1,13 +1,14 @@
 """Items/s of tpuscore's backends against Hugging Face transformers, on the embedded default model.
 
-The default geometry is one query of 2000 tokens, 500 items of 20 tokens and 2 labels (random
-token ids from the model's vocabulary, seeded). Every peer uses the same dtype. Peers too slow
-for every item time a subset and extrapolate, and their row says so. Every peer is warmed up
-once before timing, so compilation is excluded.
+Three geometries (random token ids from the model's vocabulary, seeded, 2 labels): "long", one
+query of 2000 tokens and 500 items of 20 tokens; "sglang", SGLang PR #10979's query of 300 tokens
+and 10 items of 10 tokens; "short", a 100-token query and 100 items of 10 tokens. Every peer
+uses the same dtype. Peers too slow for every item time a subset and extrapolate, and their row
+says so. Every peer is warmed up once before timing, so compilation is excluded.
 
-    python benchmarks/bench.py                     # the default geometry, float32
-    python benchmarks/bench.py --dtype bfloat16
-    python benchmarks/bench.py --quick             # a smoke run in under a minute
+    python benchmarks/bench.py                     # every geometry, float32
+    python benchmarks/bench.py --geometry short --dtype bfloat16
+    python benchmarks/bench.py --quick             # a smoke run in about a minute
     nox -s bench -- --dtype bfloat16
 """
 
@@ -33,18 +34,28 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
-import tpuscore
 from tpuscore import Scorer
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.default import default_model_path
 
-# Backends timed on every item, one row each. Issue 4 adds "packed_dense", "packed_segment".
-FAST_BACKENDS = ["prefill_extend"]
+# Backends timed on every item, one row each.
+FAST_BACKENDS = ["prefill_extend", "packed_dense", "packed_segment"]
+PACKED = {"packed_dense", "packed_segment"}
 # Backends with a cross-request prefix cache also get a row where the query repeats.
 PREFIX_CACHED = {"prefill_extend"}
 # Label logprobs further than this from tpuscore serial print a WARNING.
 PARITY_TOL = {"float32": 1e-3, "bfloat16": 0.05}
+# The slow peers time a subset of items where all would take minutes. A 2000-token query leaves
+# packed_dense no room for items in its CPU memory budget (it degrades to one item per pass) and
+# packed_segment runs in Pallas interpret mode off TPU: the long geometry skips both.
+GEOMETRIES = {
+    "long": dict(query_len=2000, items=500, item_len=20, serial_subset=4, hf_naive_subset=4),
+    "sglang": dict(query_len=300, items=10, item_len=10, serial_subset=10, hf_naive_subset=10),
+    "short": dict(query_len=100, items=100, item_len=10, serial_subset=100, hf_naive_subset=100),
+}
+PACKED_GEOMETRIES = {"sglang", "short"}
 QUICK = {
+    "geometry": "short",
     "query_len": 64,
     "items": 16,
     "item_len": 8,
@@ -164,12 +175,19 @@ def print_header(args: argparse.Namespace) -> None:
     print(f"- machine: {cpu_model()}, {os.cpu_count()} cores, jax devices {jax.devices()}")
     print(f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items())}")
     print(
-        f"- model: {default_model_path().name}, dtype {args.dtype}; geometry: query "
-        f"{args.query_len} tokens, {args.items} items x {args.item_len} tokens, "
-        f"{args.labels} labels; seed {args.seed}; medians of {args.repeats} runs"
+        f"- model: {default_model_path().name}, dtype {args.dtype}; seed {args.seed}; "
+        f"medians of {args.repeats} runs"
     )
     print(f"- load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
-    print("- every peer is warmed up before timing (compilation excluded)\n", flush=True)
+    print("- every peer is warmed up before timing (compilation excluded)", flush=True)
+
+
+def print_geometry(args: argparse.Namespace) -> None:
+    print(
+        f"\n## geometry {args.geometry}: query {args.query_len} tokens, {args.items} items x "
+        f"{args.item_len} tokens, {args.labels} labels\n",
+        flush=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,18 +199,23 @@ def tpuscore_peers(scorer: Scorer, args: argparse.Namespace) -> list[Peer]:
         return lambda r: scorer.score(r.query, r.items, r.labels, backend=backend).logprobs
 
     k = args.serial_subset
-    peers = [Peer(f"tpuscore serial (extrapolated from {k} items)", score_with("serial"), k)]
+    peers = [Peer(f"tpuscore serial{extrapolated(k, args)}", score_with("serial"), k)]
     for backend in FAST_BACKENDS:
-        if backend not in tpuscore.backends.available():
-            print(f"NOTE: backend {backend!r} is not registered; its rows are skipped")
+        if backend in PACKED and not args.packed:
             continue
         # The cold row runs first: its warm-up must be the first time the backend sees a query.
-        cold = " (cold: a new query each run)" if backend in PREFIX_CACHED else ""
-        peers.append(Peer(f"tpuscore {backend}{cold}", score_with(backend)))
+        note = " (cold: a new query each run)" if backend in PREFIX_CACHED else ""
+        if backend == "packed_segment" and jax.default_backend() != "tpu":
+            note = " (Pallas interpret mode: not a speed figure)"
+        peers.append(Peer(f"tpuscore {backend}{note}", score_with(backend)))
         if backend in PREFIX_CACHED:
             name = f"tpuscore {backend} (warm prefix cache: the same query)"
             peers.append(Peer(name, score_with(backend), fresh_query=False))
     return peers
+
+
+def extrapolated(subset: int, args: argparse.Namespace) -> str:
+    return f" (extrapolated from {subset} items)" if subset < args.items else ""
 
 
 def load_hf_model(dtype: str) -> torch.nn.Module:
@@ -339,17 +362,18 @@ def run_peers(peers: list[Peer], request: Request, args: argparse.Namespace) -> 
 
 def print_table(rows: list[Row], n_items: int, tol: float) -> None:
     naive = next((r for r in rows if r.peer.name.startswith("HF naive")), None)
+    serial = rows[0]  # tpuscore serial runs first
     print(
-        f"\n| peer | items timed | s for {n_items} items | spread | items/s | x HF naive "
-        "| max abs diff |"
+        f"\n| peer | items timed | s for {n_items} items | spread | items/s | x serial "
+        "| x HF naive | max abs diff |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         ratio = f"{naive.total_s / r.total_s:.2f}" if naive else "-"
         diff = "reference" if r.max_diff is None else f"{r.max_diff:.2e}"
         print(
             f"| {r.peer.name} | {r.timed_items} | {r.total_s:.2f} | {100 * r.spread:.0f}% | "
-            f"{n_items / r.total_s:.2f} | {ratio} | {diff} |"
+            f"{n_items / r.total_s:.2f} | {serial.total_s / r.total_s:.2f} | {ratio} | {diff} |"
         )
     print(
         "\nspread: (slowest - fastest) / median of the timed runs. max abs diff: label logprobs"
@@ -395,15 +419,16 @@ def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--query-len", type=int, default=2000, help="query tokens")
-    add("--items", type=int, default=500, help="items per request")
-    add("--item-len", type=int, default=20, help="tokens per item")
+    add("--geometry", choices=[*GEOMETRIES, "all"], default="all")
+    add("--query-len", type=int, help="query tokens (overrides the geometry's)")
+    add("--items", type=int, help="items per request (overrides the geometry's)")
+    add("--item-len", type=int, help="tokens per item (overrides the geometry's)")
     add("--labels", type=int, default=2, help="label tokens")
     add("--dtype", choices=["float32", "bfloat16"], default="float32")
     add("--repeats", type=int, default=3, help="timed runs per peer; the median is reported")
     add("--seed", type=int, default=0)
-    add("--serial-subset", type=int, default=4, help="items timed for tpuscore serial")
-    add("--hf-naive-subset", type=int, default=4, help="items timed for HF naive")
+    add("--serial-subset", type=int, help="items timed for tpuscore serial")
+    add("--hf-naive-subset", type=int, help="items timed for HF naive")
     add("--hf-naive-batch", type=int, default=4, help="sequences per HF naive forward")
     add("--hf-batch-sizes", default="16,32,64", help="item batch sizes tried for HF cached")
     add("--hf-budget-s", type=float, default=120.0, help="HF cached runs every item below this")
@@ -420,10 +445,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def geometry_args(name: str, args: argparse.Namespace) -> argparse.Namespace:
+    """args with the geometry's sizes, where the command line did not give them."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    packed = name in PACKED_GEOMETRIES
+    return argparse.Namespace(**(GEOMETRIES[name] | given | {"geometry": name, "packed": packed}))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print_header(args)
     scorer = Scorer.from_pretrained(None, dtype=args.dtype)
+    model = None if args.skip_hf else load_hf_model(args.dtype)
+    names = list(GEOMETRIES) if args.geometry == "all" else [args.geometry]
+    for name in names:
+        run_geometry(scorer, model, geometry_args(name, args))
+
+
+def run_geometry(scorer: Scorer, model: torch.nn.Module | None, args: argparse.Namespace) -> None:
+    print_geometry(args)
     cfg = scorer.config
     args.vocab_size = cfg.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -434,10 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     peers = tpuscore_peers(scorer, args)
-    if not args.skip_hf:
-        model = load_hf_model(args.dtype)
+    if model is not None:
         k, b = args.hf_naive_subset, args.hf_naive_batch
-        name = f"HF naive, batch {b} (extrapolated from {k} items)"
+        name = f"HF naive, batch {b}{extrapolated(k, args)}"
         cached = hf_cached_peer(model, request, args)  # first: it warms the model up
         peers.append(Peer(name, functools.partial(hf_naive, model, batch=b), k, warmup=False))
         peers.append(cached)
