@@ -18,7 +18,6 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tpuscore import packing
@@ -58,22 +57,18 @@ def score_packed(
         attention = functools.partial(decoder.attend, mask=segment_mask(prefix_len, seg_start, T))
     else:
 
-        def attention(q, k, v):
-            heads_first = functools.partial(
-                jnp.swapaxes, axis1=1, axis2=2
-            )  # [B,T,N,H] <-> [B,N,T,H]
-            o = segment_attention(
-                *map(heads_first, (q, k, v)), prefix_len, seg_start, block_sizes=block_sizes
-            )
-            return heads_first(o)
+        def attention(q, k, v):  # the kernel wants heads before tokens: [B, N, T, H]
+            q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+            o = segment_attention(q, k, v, prefix_len, seg_start, block_sizes=block_sizes)
+            return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, cfg, tokens[None], positions[None], attention)
     return decoder.label_logprobs(params, cfg, hidden[0, score_index], label_ids)
 
 
 class PackedBackend:
-    """Shared by both packed backends. Options: activation_bytes (the memory budget a chunk's
-    estimate must fit; default 256 MiB on CPU, an eighth of accelerator memory)."""
+    """What both packed backends share. Option activation_bytes: the memory budget that a chunk's
+    estimate must fit (default 256 MiB on CPU, an eighth of accelerator memory)."""
 
     supports_item_first = False  # the query must come first to be a shared prefix
     block_sizes: BlockSizes | None = None
@@ -92,7 +87,8 @@ class PackedBackend:
         chunks = list(packing.plan(batch, self.max_tokens))
         logger.debug("%d items in %d packed chunks", batch.num_items, len(chunks))
         for items in chunks:
-            length = self.bucket(batch.query_len + int(batch.item_lens[items].sum()))
+            real = batch.query_len + int(batch.item_lens[items].sum())
+            length = self.bucket(real)
             if length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
@@ -111,7 +107,7 @@ class PackedBackend:
                 block_sizes=self.block_sizes,
             )
             logprobs[items] = np.asarray(out)[: len(items)]
-            num_tokens += batch.query_len + int(batch.item_lens[items].sum())
+            num_tokens += real
         valid = np.arange(logprobs.shape[0]) < batch.num_items
         return BackendOutput(logprobs, valid, num_tokens=num_tokens)
 
@@ -134,7 +130,9 @@ class PackedBackend:
 
 
 class PackedDenseBackend(PackedBackend):
-    __doc__ = PackedBackend.__doc__
+    """packed_dense: attention under a dense [T, T] mask. Option activation_bytes: the memory
+    budget that a chunk's estimate must fit (default 256 MiB on CPU, an eighth of accelerator
+    memory)."""
 
     def memory_bytes(self, length: int) -> int:
         # Plus the [T, T] mask and per head the float32 scores, exp weights and their cast.
@@ -143,8 +141,8 @@ class PackedDenseBackend(PackedBackend):
 
 
 class PackedSegmentBackend(PackedBackend):
-    """Shared by both packed backends, plus block_sizes: the kernel's tiles, a `BlockSizes` or a
-    dict of its fields."""
+    """packed_segment: attention by the Pallas segment kernel. Options activation_bytes (as
+    packed_dense's) and block_sizes (the kernel's tiles: a `BlockSizes` or a dict of its fields)."""
 
     def __init__(self, config, params, *, block_sizes=None, activation_bytes=None):
         super().__init__(config, params, activation_bytes=activation_bytes)
