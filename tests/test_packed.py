@@ -89,6 +89,7 @@ def test_changing_one_item_leaves_the_others_unchanged(scorers, rng, backend, sa
     query = random_tokens(rng, 25, vocab)
     items = _items(rng, 12, vocab)
     j = 5
+    items[j] = random_tokens(rng, int(rng.integers(1, 20)), vocab)  # so a same-length change exists
     changed = list(items)
     n = len(items[j]) if same_length else len(items[j]) + int(rng.integers(1, 4))
     changed[j] = random_tokens(rng, n, vocab)
