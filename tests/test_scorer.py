@@ -18,7 +18,9 @@ def test_serial_equals_reference(case, scorers, rng):
     vocab = scorer.config.vocab_size
     query = random_tokens(rng, int(rng.integers(0, 60)), vocab)
     # 70 items: more than one serial chunk, lengths spanning several buckets, empty ones included.
-    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 40, size=70)]
+    # An empty query needs non-empty items: query + item must hold a token to score after.
+    lens = rng.integers(0 if query else 1, 40, size=70)
+    items = [random_tokens(rng, int(n), vocab) for n in lens]
     items[0] = [] if query else [7]
     labels = rng.choice(vocab, size=4, replace=False).tolist()
     serial = scorer.score(query, items, labels, backend="serial")
