@@ -1,10 +1,8 @@
 """Bucketing: a stream of arbitrary request geometries compiles a bounded number of times."""
 
-import jax
 import pytest
-from jax import monitoring
 
-from conftest import random_tokens
+from conftest import compile_events, random_tokens
 from tpuscore.backends import serial
 from tpuscore.batching import MIN_LABEL_BUCKET, MIN_TOKEN_BUCKET, bucket_count, bucket_tokens
 
@@ -19,9 +17,6 @@ def test_token_buckets_hold_n_with_at_most_a_third_padding(n):
 def test_count_buckets_are_powers_of_two():
     assert [bucket_count(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
     assert bucket_count(2, minimum=16) == 16
-
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
@@ -44,11 +39,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
         return original(params, tokens, lengths, label_ids, cfg=cfg)
 
     monkeypatch.setattr(serial, "score_sequences", recording)
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event == COMPILE_EVENT else None
-    )
-    jax.clear_caches()
+    compiles = compile_events()
     for query, items, labels in requests:
         scorer.score(query, items, labels, backend="serial")
     first_pass = len(compiles)

@@ -1,12 +1,9 @@
 """packed_dense and packed_segment: the layout, and scores equal to serial with items isolated."""
 
-import jax
 import numpy as np
 import pytest
-from jax import monitoring
 
-from conftest import random_tokens
-from test_buckets import COMPILE_EVENT
+from conftest import compile_events, random_tokens
 from tpuscore import Scorer, ValidationError, packing
 from tpuscore.backends import packed
 from tpuscore.batching import MIN_LABEL_BUCKET, bucket_count, make_batch
@@ -134,11 +131,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch, back
         return original(params, tokens, *args, **kwargs)
 
     monkeypatch.setattr(packed, "score_packed", recording)
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event == COMPILE_EVENT else None
-    )
-    jax.clear_caches()
+    compiles = compile_events()
     for query, items, labels in requests:
         scorer.score(query, items, labels, backend=backend)
     first_pass = len(compiles)
