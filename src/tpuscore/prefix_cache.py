@@ -12,25 +12,7 @@ import threading
 from typing import Any
 
 import attrs
-import jax
 import numpy as np
-
-CPU_DEFAULT_BYTES = 1 << 30
-ACCELERATOR_SHARE = 0.1  # of the device's memory
-
-
-def memory_budget(accelerator_share: float, cpu_bytes: int) -> int:
-    """A share of the first device's memory on an accelerator that reports it, else cpu_bytes."""
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"] * accelerator_share)
-    return cpu_bytes
-
-
-def default_budget() -> int:
-    """1 GiB on CPU; a tenth of the device's memory on an accelerator that reports it."""
-    return memory_budget(ACCELERATOR_SHARE, CPU_DEFAULT_BYTES)
 
 
 @attrs.frozen

@@ -23,15 +23,13 @@ import numpy as np
 from tpuscore import packing
 from tpuscore.batching import BackendOutput, ScoreBatch, bucket_tokens
 from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
+from tpuscore.memory import activation_budget, activation_bytes_per_token
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
-from tpuscore.prefix_cache import memory_budget
 
 logger = logging.getLogger(__name__)
 
-CPU_ACTIVATION_BYTES = 1 << 28
-ACCELERATOR_ACTIVATION_SHARE = 0.125
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 
 
@@ -76,9 +74,7 @@ class PackedBackend:
     def __init__(self, config: ModelConfig, params: Params, *, activation_bytes: int | None = None):
         self.config = config
         self.params = params
-        self.activation_bytes = activation_bytes or memory_budget(
-            ACCELERATOR_ACTIVATION_SHARE, CPU_ACTIVATION_BYTES
-        )
+        self.activation_bytes = activation_bytes or activation_budget()
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
@@ -125,8 +121,7 @@ class PackedBackend:
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length, in float32: activations."""
-        cfg = self.config
-        return 4 * length * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        return length * activation_bytes_per_token(self.config)
 
 
 class PackedDenseBackend(PackedBackend):

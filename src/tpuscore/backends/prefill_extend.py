@@ -18,18 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.batching import BackendOutput, ScoreBatch, bucket_count, bucket_tokens, pow2_floor
+from tpuscore.memory import activation_budget, activation_bytes_per_token, cache_budget
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import Params
-from tpuscore.prefix_cache import PrefixCache, default_budget, memory_budget
+from tpuscore.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # query tokens per prefill step: bounds its own [chunk, chunk] attention
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
-CPU_ACTIVATION_BYTES = 1 << 28
-ACCELERATOR_ACTIVATION_SHARE = 0.125
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "size"))
@@ -107,12 +106,10 @@ class PrefillExtendBackend:
         self.config = config
         self.params = params
         self.cache = PrefixCache(
-            default_budget() if prefix_cache_bytes is None else prefix_cache_bytes
+            cache_budget() if prefix_cache_bytes is None else prefix_cache_bytes
         )
         self.batch_items = batch_items
-        self.activation_bytes = activation_bytes or memory_budget(
-            ACCELERATOR_ACTIVATION_SHARE, CPU_ACTIVATION_BYTES
-        )
+        self.activation_bytes = activation_bytes or activation_budget()
         dtype = params["layers"]["wk"].dtype
         L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
         self._empty = Prefix(
@@ -184,6 +181,6 @@ class PrefillExtendBackend:
         cfg = self.config
         # Per item token, in float32: activations, and scores and exp weights against its own
         # item. Scores against the prefix go through fixed-size blocks (`decoder._prefix_parts`).
-        per_token = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.num_heads * L)
+        per_token = activation_bytes_per_token(cfg) + 4 * 3 * cfg.num_heads * L
         tokens = min(MAX_BATCH_TOKENS, self.activation_bytes // per_token)
         return pow2_floor(tokens // L)
