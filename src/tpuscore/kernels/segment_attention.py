@@ -197,6 +197,8 @@ def _kernel(
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles"))
 def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, count_tiles):
     _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    if interpret is None:  # off TPU there is no Mosaic lowering
+        interpret = jax.default_backend() != "tpu"
     B, N, T, H = q.shape
     K = k.shape[1]
     G = N // K
@@ -260,13 +262,9 @@ def segment_attention(
     Every row must see at least one key (seg_start[r] <= r holds that). T must be a multiple of
     both block sizes. interpret defaults to True off TPU, where the Mosaic lowering is missing.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
     return _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, False)
 
 
 def executed_tiles(q, k, v, prefix_len, seg_start, *, block_sizes=BlockSizes(), interpret=None):
     """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
     return int(_segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, True)[1])
