@@ -42,26 +42,6 @@ def case(request) -> str:
     return request.param
 
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-def compile_events() -> list[str]:
-    """Clear JAX's caches and return a list that grows by one entry per XLA compilation."""
-    import jax
-    from jax import monitoring
-
-    events = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: events.append(event) if event == COMPILE_EVENT else None
-    )
-    jax.clear_caches()
-    return events
-
-
-def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(0, vocab, size=n).tolist()
-
-
 @pytest.fixture
 def rng() -> np.random.Generator:
     """Fresh random inputs each run; the seed is printed so a failure can be replayed."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import compile_events, random_tokens
+from helpers import compile_events, random_tokens
 from tpuscore.backends import serial
 from tpuscore.batching import MIN_LABEL_BUCKET, MIN_TOKEN_BUCKET, bucket_count, bucket_tokens
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import compile_events, random_tokens
+from helpers import compile_events, random_tokens
 from tpuscore import Scorer, ValidationError, packing
 from tpuscore.backends import packed
 from tpuscore.batching import MIN_LABEL_BUCKET, bucket_count, make_batch

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from conftest import random_tokens
+from helpers import random_tokens
 from hf_reference import hf_logprobs
 
 BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")

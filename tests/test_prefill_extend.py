@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import random_tokens
+from helpers import random_tokens
 from tpuscore import Scorer, ValidationError
 from tpuscore.backends.prefill_extend import bucket_item_tokens
 

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import random_tokens
+from helpers import random_tokens
 from tpuscore import Scorer
 from tpuscore.prefix_cache import PrefixCache
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.special
 
-from conftest import random_tokens
+from helpers import random_tokens
 from tpuscore import Scorer, ScoreResult, backends
 from tpuscore.backends.serial import SerialBackend
 

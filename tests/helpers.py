@@ -1,0 +1,22 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+
+import numpy as np
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def compile_events() -> list[str]:
+    """Clear JAX's caches and return a list that grows by one entry per XLA compilation."""
+    import jax
+    from jax import monitoring
+
+    events = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: events.append(event) if event == COMPILE_EVENT else None
+    )
+    jax.clear_caches()
+    return events
+
+
+def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, size=n).tolist()
