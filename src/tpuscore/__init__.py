@@ -6,6 +6,7 @@
 """
 
 from tpuscore import backends
+from tpuscore.batcher import Batcher, Overloaded
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
 from tpuscore.models.default import DefaultModelMissingError
 from tpuscore.models.weights import CheckpointMismatchError
@@ -14,9 +15,11 @@ from tpuscore.scorer import Scorer
 from tpuscore.validation import ValidationError
 
 __all__ = [
+    "Batcher",
     "CheckpointMismatchError",
     "DefaultModelMissingError",
     "ModelConfig",
+    "Overloaded",
     "ScoreResult",
     "Scorer",
     "UnsupportedModelError",
