@@ -34,9 +34,9 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
     shapes = []
     original = serial.score_sequences
 
-    def recording(params, tokens, lengths, label_ids, cfg):
+    def recording(params, tokens, lengths, label_ids, config):
         shapes.append((tokens.shape, label_ids.shape))
-        return original(params, tokens, lengths, label_ids, cfg=cfg)
+        return original(params, tokens, lengths, label_ids, config=config)
 
     monkeypatch.setattr(serial, "score_sequences", recording)
     compiles = compile_events()

@@ -35,6 +35,6 @@ def activation_budget() -> int:
     return memory_budget(ACCELERATOR_ACTIVATION_SHARE, CPU_ACTIVATION_BYTES)
 
 
-def activation_bytes_per_token(cfg: ModelConfig) -> int:
+def activation_bytes_per_token(config: ModelConfig) -> int:
     """float32 activations of one token in one layer: residual, norms, q/k/v/o, MLP."""
-    return 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+    return 4 * (4 * config.hidden_size + 3 * config.intermediate_size)

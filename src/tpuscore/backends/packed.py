@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes"))
 def score_packed(
     params: Params,
     tokens: jax.Array,
@@ -42,7 +42,7 @@ def score_packed(
     seg_start: jax.Array,
     score_index: jax.Array,
     label_ids: jax.Array,
-    cfg: ModelConfig,
+    config: ModelConfig,
     block_sizes: BlockSizes | None,
 ) -> jax.Array:
     """Label logprobs [I, C] at positions score_index [I] of one packed sequence [T].
@@ -60,8 +60,8 @@ def score_packed(
             o = segment_attention(q, k, v, prefix_len, seg_start, block_sizes=block_sizes)
             return o.swapaxes(1, 2)
 
-    hidden = decoder.forward(params, cfg, tokens[None], positions[None], attention)
-    return decoder.label_logprobs(params, cfg, hidden[0, score_index], label_ids)
+    hidden = decoder.forward(params, config, tokens[None], positions[None], attention)
+    return decoder.label_logprobs(params, config, hidden[0, score_index], label_ids)
 
 
 class PackedBackend:
@@ -99,7 +99,7 @@ class PackedBackend:
                 chunk.seg_start,
                 chunk.score_index,
                 batch.label_ids,
-                cfg=self.config,
+                config=self.config,
                 block_sizes=self.block_sizes,
             )
             logprobs[items] = np.asarray(out)[: len(items)]

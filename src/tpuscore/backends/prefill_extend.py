@@ -31,14 +31,19 @@ PREFILL_CHUNK = 512  # query tokens per prefill step: bounds its own [chunk, chu
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "size"))
+@functools.partial(jax.jit, static_argnames=("config", "size"))
 def prefill(
-    params: Params, prefix: Prefix, tokens: jax.Array, count: jax.Array, cfg: ModelConfig, size: int
+    params: Params,
+    prefix: Prefix,
+    tokens: jax.Array,
+    count: jax.Array,
+    config: ModelConfig,
+    size: int,
 ) -> Prefix:
     """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions."""
     R = tokens.shape[1]
     causal = jnp.tril(jnp.ones((1, R, R), bool))
-    hidden, (k, v) = decoder.extend(params, cfg, prefix, tokens, causal, return_kv=True)
+    hidden, (k, v) = decoder.extend(params, config, prefix, tokens, causal, return_kv=True)
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
 
@@ -58,14 +63,14 @@ def prefill(
     )
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames="config")
 def score_items(
     params: Params,
     prefix: Prefix,
     items: jax.Array,
     item_lens: jax.Array,
     label_ids: jax.Array,
-    cfg: ModelConfig,
+    config: ModelConfig,
 ) -> jax.Array:
     """Label logprobs [B, C] after prefix + each row of items [B, L] (right-padded).
 
@@ -73,10 +78,10 @@ def score_items(
     """
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, cfg, prefix, items, causal)
+    hidden, _ = decoder.extend(params, config, prefix, items, causal)
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
-    return decoder.label_logprobs(params, cfg, last, label_ids)
+    return decoder.label_logprobs(params, config, last, label_ids)
 
 
 def bucket_item_tokens(n: int) -> int:
@@ -153,7 +158,7 @@ class PrefillExtendBackend:
             tokens[0, : len(chunk)] = chunk
             size = bucket_tokens(begin + len(chunk))
             prefix = prefill(
-                self.params, prefix, tokens, np.int32(len(chunk)), cfg=self.config, size=size
+                self.params, prefix, tokens, np.int32(len(chunk)), config=self.config, size=size
             )
         nbytes = sum(a.nbytes for a in (prefix.k, prefix.v, prefix.last_hidden))
         self.cache.put(query, prefix, nbytes)
@@ -178,9 +183,9 @@ class PrefillExtendBackend:
         budget allows at this item length."""
         if self.batch_items is not None:
             return self.batch_items
-        cfg = self.config
+        config = self.config
         # Per item token, in float32: activations, and scores and exp weights against its own
         # item. Scores against the prefix go through fixed-size blocks (`decoder._prefix_parts`).
-        per_token = activation_bytes_per_token(cfg) + 4 * 3 * cfg.num_heads * L
+        per_token = activation_bytes_per_token(config) + 4 * 3 * config.num_heads * L
         tokens = min(MAX_BATCH_TOKENS, self.activation_bytes // per_token)
         return pow2_floor(tokens // L)

@@ -26,9 +26,9 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 MAX_ROWS = 64
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@functools.partial(jax.jit, static_argnames="config")
 def score_sequences(
-    params: Params, tokens: jax.Array, lengths: jax.Array, label_ids: jax.Array, cfg: ModelConfig
+    params: Params, tokens: jax.Array, lengths: jax.Array, label_ids: jax.Array, config: ModelConfig
 ) -> jax.Array:
     """Label logprobs [B, C] at the last real token of each right-padded row of tokens [B, T].
 
@@ -38,9 +38,9 @@ def score_sequences(
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     attention = functools.partial(decoder.attend, mask=causal)
-    hidden = decoder.forward(params, cfg, tokens, positions, attention)
+    hidden = decoder.forward(params, config, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
-    return decoder.label_logprobs(params, cfg, last, label_ids)
+    return decoder.label_logprobs(params, config, last, label_ids)
 
 
 class SerialBackend:
@@ -66,7 +66,7 @@ class SerialBackend:
                 tokens[row, : len(seq)] = seq
             lengths = np.zeros(tokens.shape[0], np.int32)
             lengths[: stop - start] = lens[start:stop]
-            out = score_sequences(self.params, tokens, lengths, batch.label_ids, cfg=self.config)
+            out = score_sequences(self.params, tokens, lengths, batch.label_ids, config=self.config)
             logprobs[start:stop] = np.asarray(out)[: stop - start]
         valid = np.arange(logprobs.shape[0]) < n
         return BackendOutput(logprobs=logprobs, valid=valid, num_tokens=int(lens.sum()))
