@@ -6,12 +6,12 @@
 """
 
 from tpuscore import backends
+from tpuscore.errors import ValidationError
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
 from tpuscore.models.default import DefaultModelMissingError
 from tpuscore.models.weights import CheckpointMismatchError
 from tpuscore.results import ScoreResult
 from tpuscore.scorer import Scorer
-from tpuscore.validation import ValidationError
 
 __all__ = [
     "CheckpointMismatchError",

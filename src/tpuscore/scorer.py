@@ -1,40 +1,23 @@
-"""The `Scorer` facade: validate, pick a backend, run it, post-process."""
+"""The `Scorer` facade: load, validate, plan, run, return."""
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
-from tpuscore import backends
+from tpuscore import planning, validation
 from tpuscore.backends import registry
-from tpuscore.batching import make_batch
+from tpuscore.backends.pool import BackendPool
 from tpuscore.models import checkpoint, loading
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
 from tpuscore.results import ScoreResult
-from tpuscore.validation import ScoreRequest, ValidationError, validate
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype: Any) -> np.dtype:
-    """float32 on CPU, bfloat16 on accelerators, unless asked: "float32" or "bfloat16"."""
-    if dtype is None:
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return np.dtype(DTYPES[name])
+from tpuscore.validation import ScoreRequest, ValidationError
 
 
 class Scorer:
@@ -42,9 +25,6 @@ class Scorer:
 
     Build one with `Scorer.from_pretrained(...)` and reuse it: it holds the weights on device and
     its backends keep their compiled shapes and caches. Safe to call from several threads.
-
-    backend_options maps a backend name to its constructor options, for example
-    `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
     """
 
     def __init__(
@@ -56,19 +36,28 @@ class Scorer:
         dtype: Any = None,
         backend: str = registry.AUTO,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        selector: planning.Selector | None = None,
     ):
-        self.config = config
+        """Args: as `from_pretrained`, with the model given as its config, parameters (a tree as
+        `models/weights.py` describes) and tokenizer (None: token-id inputs only). selector: what
+        "auto" runs for a group of requests (default `planning.FixedRule()`)."""
+        self.model = Model.build(config, params, dtype)
         self.tokenizer = tokenizer
-        self.dtype = resolve_dtype(dtype)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
         self.default_backend = backend
-        self.backend_options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
-        self._backends: dict[str, backends.Backend] = {}
-        self._lock = threading.Lock()
-        for name in self.backend_options:  # bad names or options fail here, not mid-request
-            if name not in registry.available():
-                raise ValueError(f"backend_options names unknown backend {name!r}")
-            self.get_backend(name)
+        self.selector = selector or planning.FixedRule()
+        self.backends = BackendPool(self.model, backend_options)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def params(self) -> Params:
+        return self.model.params
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.model.dtype
 
     @classmethod
     def from_pretrained(
@@ -82,8 +71,26 @@ class Scorer:
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
     ) -> Scorer:
-        """Load a model: a Hugging Face directory or hub id, a .gguf file, a directory written by
-        `save`, or None for the embedded default model (SmolLM2-135M-Instruct)."""
+        """Load a model and build a scorer on it.
+
+        Args:
+            model: a Hugging Face directory or hub id, a .gguf file, a directory written by
+                `save`, or None for the embedded default model (SmolLM2-135M-Instruct).
+            dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+            backend: the backend `score` runs when none is named; "auto" lets the scorer pick.
+            backend_options: backend name -> its options, e.g.
+                `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
+            revision, local_files_only, cache_dir: passed to `huggingface_hub` for hub ids.
+
+        Returns:
+            A `Scorer` holding the weights on device.
+
+        Raises:
+            ValidationError: unknown backend in backend_options, or a bad option
+                (`unknown_backend`, `invalid_backend_option`).
+            FileNotFoundError, UnsupportedModelError, CheckpointMismatchError: the model cannot
+                be found, is of an unsupported kind, or its tensors do not match its config.
+        """
         np_dtype = resolve_dtype(dtype)
         config, params, tokenizer = loading.load(
             model,
@@ -120,12 +127,27 @@ class Scorer:
     ) -> ScoreResult:
         """log P(label | query + item) at the next-token position after each item.
 
-        query and items are text or token ids (the same kind). Give labels as token ids or as
-        strings that encode to single tokens. Text queries get the tokenizer's special tokens,
-        items none; see `tpuscore.tokenization` for why the pieces are tokenized separately.
+        Text queries get the tokenizer's special tokens, items none; see
+        `tpuscore.tokenization` for why the pieces are tokenized separately.
+
+        Args:
+            query: text, or token ids.
+            items: texts, or token-id lists (the same kind as query). May be empty.
+            label_token_ids: the labels as token ids; or give `labels`.
+            labels: the labels as strings that each encode to exactly one token.
+            apply_softmax: whether `result.scores` is the softmax over the labels (else the
+                model's probabilities over the full vocabulary).
+            item_first: score item + query instead of query + item.
+            backend: a registered backend's name or "auto"; default the scorer's.
+
+        Returns:
+            A `ScoreResult`; `logprobs` is float32 [len(items), n_labels].
+
+        Raises:
+            ValidationError: any bad input, before anything runs; its `code` says which (the
+                README lists them) and `param` names the argument.
         """
-        name = self._backend_name(backend)
-        request = self._validate(
+        request = self.prepare(
             query,
             items,
             label_token_ids,
@@ -133,58 +155,37 @@ class Scorer:
             apply_softmax=apply_softmax,
             item_first=item_first,
         )
-        return self._run([request], name)[0]
+        return self.run([request], backend=backend)[0]
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
     ) -> list[ScoreResult]:
-        """Score many requests in one call; results come back in request order.
+        """Score many requests in one call. Requests with the same query, labels and item_first
+        run as one backend call, so their items fill batches together and the query runs once.
 
-        Each request is a mapping of `score`'s arguments: query, items, and label_token_ids or
-        labels, optionally apply_softmax and item_first. Every request is validated before any
-        runs; an error names the request (`param="requests[3].items"`). Requests with the same
-        query, labels and item_first run as one backend call, so their items fill batches
-        together and the query is processed once.
+        Args:
+            requests: mappings of `score`'s arguments (query, items, and label_token_ids or
+                labels; optionally apply_softmax and item_first).
+            backend: as in `score`, for every request.
+
+        Returns:
+            One `ScoreResult` per request, in request order.
+
+        Raises:
+            ValidationError: a bad request, before any runs; `param` names it
+                (`"requests[3].items"`), and an unknown or missing argument is `invalid_argument`.
         """
-        name = self._backend_name(backend)
-        validated = []
+        prepared = []
         for i, request in enumerate(requests):
             where = f"requests[{i}]"
-            if not isinstance(request, Mapping):
-                raise ValidationError(
-                    "invalid_argument",
-                    f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
-                    where,
-                )
+            arguments = validation.batch_request(request, where)
             try:
-                validated.append(self._validate(**request))
+                prepared.append(self.prepare(**arguments))
             except ValidationError as e:
-                raise ValidationError(e.code, f"{where}: {e}", f"{where}.{e.param}") from None
-            except TypeError as e:  # a missing or unknown argument
-                raise ValidationError("invalid_argument", f"{where}: {e}", where) from None
-        return self._run(validated, name)
+                raise e.within(where) from None
+        return self.run(prepared, backend=backend)
 
-    def get_backend(self, name: str) -> backends.Backend:
-        """The backend instance `name`, built on first use with its `backend_options`; for
-        example `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
-        with self._lock:
-            if name not in self._backends:
-                options = self.backend_options.get(name, {})
-                self._backends[name] = registry.factory(name)(self.config, self.params, **options)
-            return self._backends[name]
-
-    def _backend_name(self, backend: str | None) -> str:
-        name = self.default_backend if backend is None else backend
-        if name != registry.AUTO and name not in registry.available():
-            raise ValidationError(
-                "unknown_backend",
-                f"backend {name!r} is not registered; available: "
-                f"{', '.join([registry.AUTO, *registry.available()])}",
-                "backend",
-            )
-        return name
-
-    def _validate(
+    def prepare(
         self,
         query: Any,
         items: Any,
@@ -194,7 +195,9 @@ class Scorer:
         apply_softmax: Any = False,
         item_first: Any = False,
     ) -> ScoreRequest:
-        return validate(
+        """Validate one request (`score`'s arguments but backend) and turn it into token ids,
+        ready for `run`. Raises ValidationError as `score` does."""
+        return validation.validate(
             query,
             items,
             label_token_ids,
@@ -206,67 +209,26 @@ class Scorer:
             max_sequence_length=self.config.max_position_embeddings,
         )
 
-    def _run(self, requests: list[ScoreRequest], name: str) -> list[ScoreResult]:
-        """Run validated requests, one backend call per group of requests that share a query,
-        labels and item_first. Requests without items get an empty result from no backend."""
-        results = [
-            ScoreResult(
-                np.zeros((0, len(request.label_ids)), np.float32),
-                backend="none",
-                num_tokens=0,
-                apply_softmax=request.apply_softmax,
-            )
-            for request in requests
-        ]
-        for batch, backend, members in self._groups(requests, name):
-            out = self.get_backend(backend).score(batch)
-            n, c = batch.num_items, batch.num_labels
-            if not out.valid[:n].all():
-                raise RuntimeError(
-                    f"backend {backend!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
-                )
-            logger.debug("scored %d items x %d labels with %s", n, c, backend)
-            counts = [len(requests[i].items) for i in members]
-            item_tokens = [sum(map(len, requests[i].items)) for i in members]
-            tokens = _share_tokens(out.num_tokens, counts, item_tokens)
-            start = 0
-            for i, count, num_tokens in zip(members, counts, tokens, strict=True):
-                results[i] = ScoreResult(
-                    out.logprobs[start : start + count, :c],
-                    backend=backend,
-                    num_tokens=num_tokens,
-                    apply_softmax=requests[i].apply_softmax,
-                )
-                start += count
+    def run(
+        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
+    ) -> list[ScoreResult]:
+        """Score requests from `prepare`, one backend call per group that shares a query, labels
+        and item_first. Every group's backend is checked before any runs.
+
+        Raises:
+            ValidationError: an unknown backend, or one that cannot score a request
+                (`unknown_backend`, `unsupported_option`).
+        """
+        name = validation.backend_name(self.default_backend if backend is None else backend)
+        results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
+        for group, chosen in planning.plan(requests, name, self.selector, self.model):
+            output = self.backends.get(chosen).score(group.batch)
+            split = planning.split(output, group, requests, chosen)
+            for i, result in zip(group.members, split, strict=True):
+                results[i] = result
         return results
 
-    def _groups(self, requests: list[ScoreRequest], name: str):
-        """(batch, backend name, member request indices) per group, all checked before any runs."""
-        groups: dict[tuple, list[int]] = {}
-        for i, request in enumerate(requests):
-            if request.items:
-                key = (tuple(request.query), tuple(request.label_ids), request.item_first)
-                groups.setdefault(key, []).append(i)
-        plan = []
-        for (query, label_ids, item_first), members in groups.items():
-            items = [item for i in members for item in requests[i].items]
-            batch = make_batch(query, items, label_ids, item_first)
-            backend = registry.select(batch) if name == registry.AUTO else name
-            if item_first and not getattr(registry.factory(backend), "supports_item_first", True):
-                raise ValidationError(
-                    "unsupported_option",
-                    f"backend {backend!r} runs the query once as a prefix shared by all items, "
-                    "so it cannot put items first; use backend='serial' or 'auto'",
-                    "item_first",
-                )
-            plan.append((batch, backend, members))
-        return plan
-
-
-def _share_tokens(total: int, counts: list[int], item_tokens: list[int]) -> list[int]:
-    """Split a group's processed tokens between its requests: each its own item tokens, plus the
-    query work in proportion to its item count (the remainder to the first request)."""
-    shared = total - sum(item_tokens)
-    shares = [shared * c // sum(counts) for c in counts]
-    shares[0] += shared - sum(shares)
-    return [t + s for t, s in zip(item_tokens, shares, strict=True)]
+    def get_backend(self, name: str) -> registry.Backend:
+        """The backend instance `name`, built on first use with its options; for example
+        `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
+        return self.backends.get(name)

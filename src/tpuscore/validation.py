@@ -1,12 +1,15 @@
 """Input validation: every bad request stops here with a `ValidationError`; none reaches a backend.
 
+This is the one boundary for errors a caller can cause: the request itself, the shape of a
+`score_batch` request, the backend's name, its options and whether it supports the request.
 Text is tokenized here too (`tokenization.py`), so the checks that follow (token ranges, empty
 and over-long sequences) see exactly the tokens a backend will.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -15,18 +18,11 @@ import numpy as np
 import tokenizers
 
 from tpuscore import tokenization
+from tpuscore.backends import registry
+from tpuscore.errors import ValidationError
 
-
-class ValidationError(ValueError):
-    """A request the scorer cannot run. `code` is stable; `param` names the offending argument."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-    def __repr__(self) -> str:
-        return f"ValidationError(code={self.code!r}, param={self.param!r}, message={str(self)!r})"
+# The arguments of `Scorer.score` that a `score_batch` request may carry; the first two required.
+SCORE_ARGUMENTS = ("query", "items", "label_token_ids", "labels", "apply_softmax", "item_first")
 
 
 @attrs.frozen
@@ -205,3 +201,79 @@ def validate(
                 "items",
             )
     return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first), bool(apply_softmax))
+
+
+def batch_request(request: Any, where: str) -> dict[str, Any]:
+    """A `score_batch` request as `score`'s keyword arguments, checked against SCORE_ARGUMENTS."""
+    if not isinstance(request, Mapping):
+        raise ValidationError(
+            "invalid_argument",
+            f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
+            where,
+        )
+    unknown = sorted(set(request) - set(SCORE_ARGUMENTS), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_argument",
+            f"{where} has unknown argument(s) {unknown}; allowed: {', '.join(SCORE_ARGUMENTS)}",
+            f"{where}.{unknown[0]}",
+        )
+    for name in SCORE_ARGUMENTS[:2]:
+        if name not in request:
+            raise ValidationError("invalid_argument", f"{where} has no {name!r}", f"{where}.{name}")
+    return dict(request)
+
+
+def backend_name(name: Any) -> str:
+    """A registered backend's name, or "auto"."""
+    if name != registry.AUTO and name not in registry.available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend {name!r} is not registered; available: "
+            f"{', '.join([registry.AUTO, *registry.available()])}",
+            "backend",
+        )
+    return name
+
+
+def check_capabilities(name: str, item_first: bool) -> None:
+    """Refuse a request the backend cannot score."""
+    if item_first and not registry.registration(name).capabilities.item_first:
+        raise ValidationError(
+            "unsupported_option",
+            f"backend {name!r} runs the query once as a prefix shared by all items, "
+            "so it cannot put items first; use backend='serial' or 'auto'",
+            "item_first",
+        )
+
+
+def backend_options(name: Any, options: Any) -> Any:
+    """The options instance for backend `name` from a mapping of its option names to values."""
+    where = f"backend_options.{name}"
+    if name == registry.AUTO or name not in registry.available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend_options names unknown backend {name!r}; available: "
+            f"{', '.join(registry.available())}",
+            "backend_options",
+        )
+    if not isinstance(options, Mapping):
+        raise ValidationError(
+            "invalid_backend_option", f"{where} must be a mapping, got {options!r}", where
+        )
+    cls = registry.registration(name).options
+    allowed = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    unknown = sorted(set(options) - set(allowed), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_backend_option",
+            f"{where}: unknown option(s) {unknown}; {name} takes "
+            f"{', '.join(allowed) if allowed else 'no options'}",
+            f"{where}.{unknown[0]}",
+        )
+    if cls is None:
+        return None
+    try:
+        return cls(**options)
+    except ValidationError as e:
+        raise e.within(where) from None

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpuscore.batching import BackendOutput, ScoreBatch
+from tpuscore.backends.contract import BackendOutput, ScoreBatch
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
 
@@ -66,17 +67,18 @@ def last_token_logprobs(config: ModelConfig, params: Params, tokens: np.ndarray)
 
 
 class ReferenceBackend:
-    def __init__(self, config: ModelConfig, params: Params):
-        self.config = config
-        self.params = _as_float32(params)
+    def __init__(self, model: Model, options: None = None):
+        self.config = model.config
+        self.params = _as_float32(model.params)
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
-        logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
+        out = BackendOutput.for_batch(batch)
         for i in range(batch.num_items):
-            full = last_token_logprobs(self.config, self.params, batch.sequence(i))
-            logprobs[i] = full[batch.label_ids]
-        valid = np.arange(logprobs.shape[0]) < batch.num_items
-        return BackendOutput(logprobs, valid, num_tokens=int(batch.sequence_lens.sum()))
+            sequence = batch.sequence(i)
+            full = last_token_logprobs(self.config, self.params, sequence)
+            out.step("last_token_logprobs", sequence.shape, len(sequence))
+            out.scores(np.array([i]), full[None, batch.label_ids])
+        return out.build()
 
 
 def _as_float32(params: Params) -> Params:

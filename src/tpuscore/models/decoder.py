@@ -16,13 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tpuscore.costs import score_block_tokens
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 
 f32 = jnp.float32
-CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
-SCORE_BLOCK_BYTES = 256 << 20
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -89,7 +88,7 @@ def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix
     B, T, N, H = q.shape
     K, P = prefix_k.shape[0], prefix_k.shape[2]
     G = N // K
-    t = _block_tokens(B * T, bytes_per_token=N * P * 4)
+    t = score_block_tokens(B * T, bytes_per_token=N * P * 4)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
 
     def block(q):
@@ -101,13 +100,6 @@ def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix
         return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
 
     return tuple(map(to_btkg, jax.lax.map(block, q)))
-
-
-def _block_tokens(tokens: int, bytes_per_token: int) -> int:
-    """The largest divisor of tokens whose scores fit the block budget (at least 1)."""
-    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
-    fits = max(1, budget // bytes_per_token)
-    return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
 
 
 def _merge(*parts) -> jax.Array:
