@@ -79,7 +79,7 @@ class PackedSegmentOptions(PackedOptions):
         object.__setattr__(self, "block_sizes", block_sizes or kind())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def score_packed(
     params: Params,
     tokens: jax.Array,
@@ -90,11 +90,14 @@ def score_packed(
     label_ids: jax.Array,
     config: ModelConfig,
     block_sizes: BlockSizes | GpuBlockSizes | None,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Label logprobs [I, C] at positions score_index [I] of one packed sequence [T].
 
     block_sizes None attends through a dense [T, T] mask; else through the segment kernel whose
-    tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one).
+    tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one). interpret
+    None runs the kernel in Pallas interpret mode where it has no lowering (tests lowering for
+    another platform pass False).
     """
     T = tokens.shape[0]
     prefix_len, seg_start = prefix_len[None], seg_start[None]
@@ -106,7 +109,7 @@ def score_packed(
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
             gpu = isinstance(block_sizes, GpuBlockSizes)
             kernel = segment_attention_gpu if gpu else segment_attention
-            o = kernel(q, k, v, prefix_len, seg_start, block_sizes=block_sizes)
+            o = kernel(q, k, v, prefix_len, seg_start, block_sizes=block_sizes, interpret=interpret)
             return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, config, tokens[None], positions[None], attention)
