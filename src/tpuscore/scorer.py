@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from tpuscore import planning, validation
+from tpuscore import compilation_cache, planning, validation
 from tpuscore.backends import registry
 from tpuscore.backends.pool import BackendPool
 from tpuscore.models import checkpoint, loading
@@ -18,6 +18,7 @@ from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
 from tpuscore.results import ScoreResult
 from tpuscore.validation import ScoreRequest, ValidationError
+from tpuscore.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 
 
 class Scorer:
@@ -70,6 +71,7 @@ class Scorer:
         revision: str | None = None,
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        compilation_cache_dir: str | os.PathLike | None = None,
     ) -> Scorer:
         """Load a model and build a scorer on it.
 
@@ -81,6 +83,9 @@ class Scorer:
             backend_options: backend name -> its options, e.g.
                 `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
             revision, local_files_only, cache_dir: passed to `huggingface_hub` for hub ids.
+            compilation_cache_dir: keep compiled executables in this directory, so a restarted
+                process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
+                environment variable; neither: off). Process-wide, as JAX's setting is.
 
         Returns:
             A `Scorer` holding the weights on device.
@@ -91,6 +96,7 @@ class Scorer:
             FileNotFoundError, UnsupportedModelError, CheckpointMismatchError: the model cannot
                 be found, is of an unsupported kind, or its tensors do not match its config.
         """
+        compilation_cache.enable(compilation_cache_dir)
         np_dtype = resolve_dtype(dtype)
         config, params, tokenizer = loading.load(
             model,
@@ -227,6 +233,32 @@ class Scorer:
             for i, result in zip(group.members, split, strict=True):
                 results[i] = result
         return results
+
+    def warmup(
+        self,
+        geometries: Sequence[Sequence[int]] | None = None,
+        *,
+        backends: Sequence[str] | None = None,
+    ) -> list[Warmed]:
+        """Compile ahead of time every step that requests of these geometries will meet.
+
+        Args:
+            geometries: (query_tokens, num_items, item_tokens) triples; default
+                `tpuscore.warmup.DEFAULT_GEOMETRIES`, a typical ranking service's.
+            backends: the backends to warm for each; default the one `score` would run.
+
+        Returns:
+            What ran per geometry and backend, with its seconds (also logged at INFO). A
+            geometry already compiled costs its run time only, no compilation.
+        """
+        return warm(
+            self.backends,
+            self.selector,
+            self.default_backend,
+            self.config.vocab_size,
+            DEFAULT_GEOMETRIES if geometries is None else geometries,
+            [validation.backend_name(b) for b in backends] if backends else None,
+        )
 
     def get_backend(self, name: str) -> registry.Backend:
         """The backend instance `name`, built on first use with its options; for example
