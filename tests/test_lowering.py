@@ -20,7 +20,7 @@ from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import param_shapes
 
-SMOLLM2_135M = ModelConfig(  # the embedded default model's config (checked below)
+SMOLLM2_135M = ModelConfig(  # the default model's (test_default_model.py checks it)
     family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
     num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
     max_position_embeddings=8192, tie_word_embeddings=True,
@@ -107,9 +107,3 @@ def test_every_step_lowers_for_cuda(model, dtype):
     for name, (f, args) in steps(MODELS[model], DTYPES[dtype], "cuda").items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert ("triton" in text) == (name == "packed_segment"), name  # the Triton kernel
-
-
-def test_the_default_model_config_is_the_one_lowered(default_model_path):
-    from tpuscore.models.gguf import read_gguf
-
-    assert read_gguf(default_model_path).config == SMOLLM2_135M
