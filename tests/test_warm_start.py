@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import compile_events, random_tokens
-from tpuscore import Scorer, compilation_cache
+from tpuscore import Scorer, ValidationError, compilation_cache
 
 
 def test_a_warmed_geometry_compiles_nothing_when_requests_arrive(scorers, rng):
@@ -46,6 +46,28 @@ def test_warmup_takes_named_backends_and_refuses_a_bad_geometry(scorers):
     assert [w.backend for w in warmed] == ["serial", "packed_dense"]
     with pytest.raises(ValueError, match="num_items > 0"):
         scorer.warmup([(8, 0, 4)])
+
+
+def test_warmup_checks_every_geometry_before_any_runs(scorers):
+    scorer = scorers("qwen2_bias")
+    limit = scorer.config.max_position_embeddings
+    refused = {
+        (8, 0, 4): ("invalid_geometry", "geometries[1]"),
+        (8, 2.0, 4): ("invalid_geometry", "geometries[1]"),
+        (8, 2): ("invalid_geometry", "geometries[1]"),
+        (-1, 2, 4): ("invalid_geometry", "geometries[1]"),
+        (0, 3, 0): ("empty_sequence", "geometries[1].items"),
+        (limit, 1, 1): ("sequence_too_long", "geometries[1].items"),
+    }
+    compiles = compile_events()
+    for bad, (code, param) in refused.items():
+        with pytest.raises(ValidationError) as error:
+            scorer.warmup([(8, 3, 4), bad])  # the good geometry first: it must not run either
+        assert (error.value.code, error.value.param) == (code, param), bad
+    with pytest.raises(ValidationError) as error:
+        scorer.warmup([(8, 3, 4)], backends=["nonesuch"])
+    assert error.value.code == "unknown_backend"
+    assert compiles == []
 
 
 @pytest.fixture
@@ -96,7 +118,7 @@ FIRST_REQUEST = textwrap.dedent(
     events = []
     monitoring.register_event_listener(lambda event, **_: events.append(event))
     monitoring.register_event_duration_secs_listener(lambda event, _s, **_: events.append(event))
-    from tpuscore import Scorer, compilation_cache
+    from tpuscore import Scorer, ValidationError, compilation_cache
     scorer = Scorer.from_pretrained(sys.argv[1], dtype="float32")
     result = scorer.score([5, 6, 7], [[8, 9], [10]], [11, 12])
     print(json.dumps({
