@@ -4,7 +4,8 @@
 - warmup: load, `scorer.warmup()` (the default geometries), then the first request;
 - cache: a process with a populated persistent compilation cache (filled by a previous process).
 
-    python benchmarks/first_request.py
+    python benchmarks/first_request.py           # warmup() of the default geometries
+    python benchmarks/first_request.py --quick   # warmup() of the request's geometry only
 
 The request is a 64-token query with 10 items of 16 tokens (one of warmup's default geometries),
 random token ids; each figure is also compared with the same request once warm.
@@ -12,6 +13,7 @@ random token ids; each figure is also compared with the same request once warm.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,9 +29,9 @@ from tpuscore import Scorer
 mode = sys.argv[1]
 scorer = Scorer.from_pretrained()
 warmup_s = None
-if mode == "warmup":
+if mode != "cold":
     start = time.perf_counter()
-    scorer.warmup()
+    scorer.warmup([(64, 10, 16)] if mode == "warmup-request" else None)
     warmup_s = time.perf_counter() - start
 rng = np.random.default_rng(0)
 def request():
@@ -51,8 +53,17 @@ def child(mode: str, env: dict) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="warm only the request's geometry, not the defaults"
+    )
+    args = parser.parse_args()
+    import jax
+
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(f"jax {jax.__version__}, devices {jax.devices()}")
+    warmed = "warmup-request" if args.quick else "warmup"
     env = {k: v for k, v in os.environ.items() if k != "TPUSCORE_COMPILATION_CACHE"}
     with tempfile.TemporaryDirectory() as cache:
         cached_env = {**env, "TPUSCORE_COMPILATION_CACHE": cache}
@@ -61,7 +72,7 @@ def main() -> None:
         fill_s = time.perf_counter() - start
         runs = {
             "cold process": child("cold", env),
-            "after warmup()": child("warmup", env),
+            f"after warmup({'the request geometry' if args.quick else ''})": child(warmed, env),
             "new process, populated compilation cache": child("cold", cached_env),
         }
     print(f"(filling the cache took a {fill_s:.1f} s process)")

@@ -250,15 +250,16 @@ class Scorer:
         Returns:
             What ran per geometry and backend, with its seconds (also logged at INFO). A
             geometry already compiled costs its run time only, no compilation.
+
+        Raises:
+            ValidationError: a geometry that is not three ints with num_items > 0
+                (`invalid_geometry`), or one whose requests `score` would refuse (for example
+                `sequence_too_long`), with `param` naming it ("geometries[1]"); checked before
+                any runs. An unknown backend (`unknown_backend`).
         """
-        return warm(
-            self.backends,
-            self.selector,
-            self.default_backend,
-            self.config.vocab_size,
-            DEFAULT_GEOMETRIES if geometries is None else geometries,
-            [validation.backend_name(b) for b in backends] if backends else None,
-        )
+        names = [validation.backend_name(b) for b in backends or [self.default_backend]]
+        geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
+        return warm(self.backends, self.prepare, self.selector, names, geometries)
 
     def get_backend(self, name: str) -> registry.Backend:
         """The backend instance `name`, built on first use with its options; for example
