@@ -24,3 +24,9 @@ def encode_items(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> list[list
 
 def encode_label(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def encode_suffix(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    """An item suffix, tokenized once on its own and appended to every item's tokens: the
+    items' tokens then end the same way whatever they hold."""
+    return tokenizer.encode(text, add_special_tokens=False).ids
