@@ -10,22 +10,25 @@ positive first. `Scorer.rank(..., template="qwen3-reranker")` applies one:
 
 Shipped templates:
 
-- "qwen3-reranker": Qwen3-Reranker's published format (Qwen/Qwen3-Reranker-0.6B, -4B, -8B, whose
+- "qwen3-reranker": Qwen3-Reranker's published format (Qwen/Qwen3-Reranker-0.6B, -4B, -8B). Its
   model card builds `prefix + "<Instruct>: {instruction}\\n<Query>: {query}\\n<Document>: {doc}"
-  + suffix` and reads P("yes") against P("no") at the last position). The prefix and suffix
-  strings here are the card's, as its transformers and vLLM usage examples spell them; the same
-  strings appear in vLLM's `examples/offline_inference/qwen3_reranker.py` and in the Qwen3
-  reranker tutorial of the vLLM Ascend docs (docs.vllm.ai/projects/ascend, "Qwen3-Reranker").
-  The card tokenizes prefix, content and suffix as three pieces; tpuscore tokenizes the query
-  part (prefix + instruction + query), the item part (`<Document>: ...`) and the suffix as three
-  pieces. Both split at a newline followed by `<`, where Qwen's pre-tokenizer always breaks, so
-  the token sequences are the same. It needs a Qwen3 reranker checkpoint: a base or chat model
-  was not trained to answer this prompt.
+  + suffix` and reads P("yes") against P("no") at the last position. The strings here were
+  checked against copies of the card's example (the card itself was not reachable from where
+  this was written): vLLM's `examples/offline_inference/qwen3_reranker.py` (vllm-project/vllm,
+  which splits the prompt into a query template and a document template exactly as this module
+  does), the "Qwen3-Reranker" tutorial of the vLLM Ascend docs, and the
+  mlx-community/Qwen3-Reranker-0.6B-4bit model card; all spell the same prefix, suffix and
+  default instruction. The card tokenizes prefix, content and suffix as three pieces; tpuscore
+  tokenizes the query part (prefix + instruction + query), the item part (`<Document>: ...`)
+  and the suffix. Both split at a newline followed by `<`, which Qwen's pre-tokenizer regex
+  already puts in separate pieces, so the token sequences are the same
+  (`tests/test_templates.py` checks this on the tests' byte-level tokenizers). It needs a
+  Qwen3 reranker checkpoint: a base or chat model was not trained to answer this prompt.
 - "plain": a model-agnostic instruction prompt for instruction-tuned models that were not
   trained as rerankers (the embedded SmolLM2 included). The query part is the instruction and
   `Query: ...`, the item part `Document: ...`, the suffix a newline and `Relevant:`; the labels
-  " yes" and " no" (with the leading space, so they are the single tokens that follow a colon
-  in byte-level BPE vocabularies).
+  " yes" and " no", with the leading space that follows a colon: single tokens in SmolLM2's
+  vocabulary, as in most byte-level BPE vocabularies (not in the tests' tiny 313-token one).
 """
 
 from __future__ import annotations
