@@ -26,8 +26,8 @@ class Spy:
         self.runs: list[int] = []
         self.running = threading.Event()
 
-    def prepare(self, **kwargs):
-        return self.scorer.prepare(**kwargs)
+    def __getattr__(self, name):  # prepare, default_backend: the scorer's
+        return getattr(self.scorer, name)
 
     def run(self, requests, *, backend=None):
         if requests:
@@ -78,14 +78,13 @@ def test_threads_get_their_sequential_results_from_shared_runs(scorer, rng):
     requests = _requests(rng, scorer, 64)
     sequential = [scorer.score(**r) for r in requests]
     spy = Spy(scorer, gate := threading.Event())
-    with Batcher(spy, max_wait_ms=20) as batcher:
-        with ThreadPoolExecutor(max_workers=64) as pool:
-            futures = [pool.submit(lambda r: batcher.score(**r), r) for r in requests]
-            deadline = time.monotonic() + WAIT_S
-            while batcher.pending < 64 and time.monotonic() < deadline:  # all accepted
-                time.sleep(0.01)
-            gate.set()
-            results = [f.result(WAIT_S) for f in futures]
+    with Batcher(spy, max_wait_ms=20) as batcher, ThreadPoolExecutor(max_workers=64) as pool:
+        futures = [pool.submit(lambda r: batcher.score(**r), r) for r in requests]
+        deadline = time.monotonic() + WAIT_S
+        while batcher.pending < 64 and time.monotonic() < deadline:  # all accepted
+            time.sleep(0.01)
+        gate.set()
+        results = [f.result(WAIT_S) for f in futures]
     _assert_sequential(results, requests, sequential)
     assert sum(spy.runs) == 64 and len(spy.runs) < 64 / 4, spy.runs  # coalesced
 
@@ -114,11 +113,12 @@ def test_past_max_pending_a_submission_is_refused_at_once(scorer, rng):
             batcher.submit(**requests[3])
         assert time.monotonic() - start < 1.0 and isinstance(Overloaded(3), RuntimeError)
         gate.set()
-        for future, request in zip(futures, requests, strict=True):
+        for future, request in zip(futures, requests[:3], strict=True):
             np.testing.assert_array_equal(
                 future.result(WAIT_S).logprobs, scorer.score(**request).logprobs
             )
-        assert batcher.score(**requests[3]).logprobs.shape == (3, 2)  # room again
+        again = batcher.score(**requests[3])  # room again
+        np.testing.assert_array_equal(again.logprobs, scorer.score(**requests[3]).logprobs)
 
 
 def test_close_finishes_what_was_accepted_then_refuses(scorer, rng):
@@ -149,7 +149,7 @@ def test_close_finishes_what_was_accepted_then_refuses(scorer, rng):
 class Failing:
     """A backend whose every step fails."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, model, options):
         pass
 
     def score(self, batch):
@@ -191,16 +191,41 @@ def test_a_bad_request_fails_only_its_caller(scorer, rng):
         with pytest.raises(ValidationError) as bad_backend:
             batcher.submit(**requests[1], backend="no_such_backend")
         assert bad_backend.value.code == "unknown_backend"
-        # Valid alone, refused by the plan: prefill_extend cannot put items first.
-        item_first = batcher.submit(**requests[2], item_first=True, backend="prefill_extend")
+        with pytest.raises(ValidationError) as unsupported:  # prefill_extend: no item_first
+            batcher.submit(**requests[2], item_first=True, backend="prefill_extend")
+        assert unsupported.value.code == "unsupported_option"
         others = [batcher.submit(**r, backend="prefill_extend") for r in requests[3:]]
         gate.set()
-        with pytest.raises(ValidationError) as refused:
-            item_first.result(WAIT_S)
-        assert refused.value.code == "unsupported_option"
         for future, request in zip([first, *others], [requests[0], *requests[3:]], strict=True):
             expected = scorer.score(**{**request, "backend": "prefill_extend"})
             np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+
+
+def test_a_request_the_plan_refuses_after_submission_fails_only_its_caller(scorer, rng):
+    """A backend registered again without item_first while an item_first request waits: the
+    batch's plan refuses it, and only its caller gets the error."""
+    serial = {"factory": backends.SerialBackend, "options": backends.SerialOptions}
+    backends.register("batcher_changing", **serial)
+    requests = _requests(rng, scorer, 4, serial=False)
+    spy = Spy(scorer, gate := threading.Event())
+    try:
+        with Batcher(spy) as batcher:
+            first = batcher.submit(**requests[0])
+            assert spy.running.wait(WAIT_S)
+            item_first = batcher.submit(**requests[1], item_first=True, backend="batcher_changing")
+            others = [batcher.submit(**r, backend="batcher_changing") for r in requests[2:]]
+            backends.register("batcher_changing", **serial, item_first=False)
+            gate.set()
+            with pytest.raises(ValidationError) as refused:
+                item_first.result(WAIT_S)
+            assert refused.value.code == "unsupported_option"
+            expected = scorer.score(**requests[0])
+            np.testing.assert_array_equal(first.result(WAIT_S).logprobs, expected.logprobs)
+            for future, request in zip(others, requests[2:], strict=True):
+                expected = scorer.score(**request, backend="serial")
+                np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+    finally:
+        backends.register("batcher_changing", **serial)
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from tpuscore import validation
+from tpuscore.backends import registry
+from tpuscore.errors import ValidationError
 from tpuscore.results import ScoreResult
-from tpuscore.validation import ScoreRequest, ValidationError
+from tpuscore.validation import ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +132,10 @@ class Batcher:
         """
         self._check_open()
         backend = score_kwargs.pop("backend", None)
-        self.scorer.run([], backend=backend)  # runs nothing; raises for an unknown backend
         request = self.scorer.prepare(**score_kwargs)
+        name = validation.backend_name(self.scorer.default_backend if backend is None else backend)
+        if name != registry.AUTO:  # "auto" picks per group, at run time, a backend that can
+            validation.check_capabilities(name, request.item_first)
         tokens = len(request.query) + sum(map(len, request.items))
         future: Future[ScoreResult] = Future()
         with self._cond:
@@ -229,9 +234,8 @@ class Batcher:
             try:
                 results = self.scorer.run(requests, backend=backend)
             except ValidationError:
-                # The plan refused a request that passed `prepare` (item_first on a backend that
-                # cannot put items first) before anything ran: run each alone, so that only its
-                # caller gets the error.
+                # The plan refused a request before anything ran (a backend unregistered since
+                # submission, say): run each alone, so that only its caller gets the error.
                 for i in members:
                     outcomes[i] = self._run_alone(batch[i])
                 continue
