@@ -229,6 +229,28 @@ def test_a_request_the_plan_refuses_after_submission_fails_only_its_caller(score
         backends.register("batcher_changing", **serial)
 
 
+def test_max_batch_tokens_bounds_a_batch(scorer, rng):
+    vocab = scorer.config.vocab_size
+    requests = [
+        {
+            "query": random_tokens(rng, 10, vocab),
+            "items": [random_tokens(rng, 5, vocab)] * 2,
+            "label_token_ids": [3, 5],
+        }
+        for _ in range(7)
+    ]  # 20 tokens each
+    spy = Spy(scorer, gate := threading.Event())
+    with Batcher(spy, max_batch_tokens=45, max_wait_ms=50) as batcher:
+        first = batcher.submit(**requests[0])
+        assert spy.running.wait(WAIT_S)
+        futures = [first, *(batcher.submit(**r) for r in requests[1:])]
+        gate.set()
+        for future, request in zip(futures, requests, strict=True):
+            expected = scorer.score(**request)
+            np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+    assert spy.runs == [1, 2, 2, 2], spy.runs
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
