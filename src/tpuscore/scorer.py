@@ -161,7 +161,8 @@ class Scorer:
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
     ) -> list[ScoreResult]:
         """Score many requests in one call. Requests with the same query, labels and item_first
-        run as one backend call, so their items fill batches together and the query runs once.
+        share their query's work; requests with different queries share device steps where the
+        backend can mix them (every built-in one but serial and reference).
 
         Args:
             requests: mappings of `score`'s arguments (query, items, and label_token_ids or
@@ -212,8 +213,10 @@ class Scorer:
     def run(
         self, requests: Sequence[ScoreRequest], *, backend: str | None = None
     ) -> list[ScoreResult]:
-        """Score requests from `prepare`, one backend call per group that shares a query, labels
-        and item_first. Every group's backend is checked before any runs.
+        """Score requests from `prepare`. Requests that share a query, labels and item_first form
+        a group; each backend gets all the groups that picked it in one call, so groups with
+        different queries can share device steps. Every group's backend is checked before any
+        runs.
 
         Raises:
             ValidationError: an unknown backend, or one that cannot score a request
@@ -221,11 +224,14 @@ class Scorer:
         """
         name = validation.backend_name(self.default_backend if backend is None else backend)
         results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
-        for group, chosen in planning.plan(requests, name, self.selector, self.model):
-            output = self.backends.get(chosen).score(group.batch)
-            split = planning.split(output, group, requests, chosen)
-            for i, result in zip(group.members, split, strict=True):
-                results[i] = result
+        planned = planning.plan(requests, name, self.selector, self.model)
+        for chosen, groups in planning.by_backend(planned).items():
+            backend = self.backends.get(chosen)
+            outputs = registry.score_groups(backend, [g.batch for g in groups])
+            for group, output in zip(groups, outputs, strict=True):
+                split = planning.split(output, group, requests, chosen)
+                for i, result in zip(group.members, split, strict=True):
+                    results[i] = result
         return results
 
     def get_backend(self, name: str) -> registry.Backend:
