@@ -104,7 +104,8 @@ class Scaled:
     """A user backend on the documented contract: the reference's scores times a factor."""
 
     def __init__(self, model, options: ScaledOptions):
-        self.config, self.params, self.factor = model.config, model.params, options.factor
+        self.config, self.factor = model.config, options.factor
+        self.params = jax.tree.map(np.asarray, model.params)  # numpy code wants host arrays
         self.batches = []
 
     def score(self, batch):

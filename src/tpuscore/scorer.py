@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tokenizers
 
-from tpuscore import planning, validation
+from tpuscore import compilation_cache, loglikelihood, planning, progress, ranking, validation
 from tpuscore.backends import registry
 from tpuscore.backends.pool import BackendPool
+from tpuscore.loglikelihood import LoglikelihoodResult
 from tpuscore.models import checkpoint, loading
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
+from tpuscore.ranking import RankedItem
 from tpuscore.results import ScoreResult
+from tpuscore.templates import Template
 from tpuscore.validation import ScoreRequest, ValidationError
+from tpuscore.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 
 
 class Scorer:
@@ -70,6 +74,7 @@ class Scorer:
         revision: str | None = None,
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        compilation_cache_dir: str | os.PathLike | None = None,
     ) -> Scorer:
         """Load a model and build a scorer on it.
 
@@ -81,6 +86,9 @@ class Scorer:
             backend_options: backend name -> its options, e.g.
                 `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
             revision, local_files_only, cache_dir: passed to `huggingface_hub` for hub ids.
+            compilation_cache_dir: keep compiled executables in this directory, so a restarted
+                process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
+                environment variable; neither: off). Process-wide, as JAX's setting is.
 
         Returns:
             A `Scorer` holding the weights on device.
@@ -91,6 +99,7 @@ class Scorer:
             FileNotFoundError, UnsupportedModelError, CheckpointMismatchError: the model cannot
                 be found, is of an unsupported kind, or its tensors do not match its config.
         """
+        compilation_cache.enable(compilation_cache_dir)
         np_dtype = resolve_dtype(dtype)
         config, params, tokenizer = loading.load(
             model,
@@ -123,6 +132,9 @@ class Scorer:
         labels: list[str] | None = None,
         apply_softmax: bool = False,
         item_first: bool = False,
+        item_suffix: str | list[int] | None = None,
+        max_item_tokens: int | None = None,
+        truncate: str = "right",
         backend: str | None = None,
     ) -> ScoreResult:
         """log P(label | query + item) at the next-token position after each item.
@@ -138,6 +150,11 @@ class Scorer:
             apply_softmax: whether `result.scores` is the softmax over the labels (else the
                 model's probabilities over the full vocabulary).
             item_first: score item + query instead of query + item.
+            item_suffix: text (tokenized once, without special tokens) or token ids appended
+                to every item, such as a reranker's assistant-turn opener.
+            max_item_tokens: truncate each item to this many of its own tokens (the suffix is
+                not counted and never cut); None: a too-long sequence is an error.
+            truncate: "right" keeps an item's first max_item_tokens tokens, "left" its last.
             backend: a registered backend's name or "auto"; default the scorer's.
 
         Returns:
@@ -154,11 +171,18 @@ class Scorer:
             labels=labels,
             apply_softmax=apply_softmax,
             item_first=item_first,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
         )
         return self.run([request], backend=backend)[0]
 
     def score_batch(
-        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        *,
+        backend: str | None = None,
+        show_progress: bool = False,
     ) -> list[ScoreResult]:
         """Score many requests in one call. Requests with the same query, labels and item_first
         share their query's work; requests with different queries share device steps where the
@@ -166,8 +190,10 @@ class Scorer:
 
         Args:
             requests: mappings of `score`'s arguments (query, items, and label_token_ids or
-                labels; optionally apply_softmax and item_first).
+                labels; optionally apply_softmax, item_first, item_suffix, max_item_tokens and
+                truncate).
             backend: as in `score`, for every request.
+            show_progress: show a progress bar (tqdm, on stderr) over the requests.
 
         Returns:
             One `ScoreResult` per request, in request order.
@@ -184,7 +210,8 @@ class Scorer:
                 prepared.append(self.prepare(**arguments))
             except ValidationError as e:
                 raise e.within(where) from None
-        return self.run(prepared, backend=backend)
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
 
     def prepare(
         self,
@@ -195,6 +222,9 @@ class Scorer:
         labels: Any = None,
         apply_softmax: Any = False,
         item_first: Any = False,
+        item_suffix: Any = None,
+        max_item_tokens: Any = None,
+        truncate: Any = "right",
     ) -> ScoreRequest:
         """Validate one request (`score`'s arguments but backend) and turn it into token ids,
         ready for `run`. Raises ValidationError as `score` does."""
@@ -208,15 +238,23 @@ class Scorer:
             tokenizer=self.tokenizer,
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
         )
 
     def run(
-        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
+        self,
+        requests: Sequence[ScoreRequest],
+        *,
+        backend: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[ScoreResult]:
         """Score requests from `prepare`. Requests that share a query, labels and item_first form
         a group; each backend gets all the groups that picked it in one call, so groups with
         different queries can share device steps. Every group's backend is checked before any
-        runs.
+        runs. on_progress, if given, is called with the number of requests each backend call
+        completes.
 
         Raises:
             ValidationError: an unknown backend, or one that cannot score a request
@@ -225,6 +263,8 @@ class Scorer:
         name = validation.backend_name(self.default_backend if backend is None else backend)
         results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
         planned = planning.plan(requests, name, self.selector, self.model)
+        if on_progress is not None:
+            on_progress(sum(not r.items for r in requests))  # nothing to run for these
         for chosen, groups in planning.by_backend(planned).items():
             backend = self.backends.get(chosen)
             outputs = registry.score_groups(backend, [g.batch for g in groups])
@@ -232,7 +272,122 @@ class Scorer:
                 split = planning.split(output, group, requests, chosen)
                 for i, result in zip(group.members, split, strict=True):
                     results[i] = result
+            if on_progress is not None:
+                on_progress(sum(len(g.members) for g in groups))
         return results
+
+    def rank(
+        self,
+        query: str | list[int],
+        items: list[str] | list[list[int]],
+        *,
+        labels: list[str] | None = None,
+        label_token_ids: list[int] | None = None,
+        positive: int = 0,
+        top_k: int | None = None,
+        template: str | Template | None = None,
+        instruction: str | None = None,
+        item_suffix: str | list[int] | None = None,
+        max_item_tokens: int | None = None,
+        truncate: str = "right",
+        backend: str | None = None,
+        show_progress: bool = False,
+    ) -> list[RankedItem]:
+        """The items sorted by score, highest first; equal scores keep their input order.
+
+        The score is the positive label's probability within the labels: P(yes) / (P(yes) +
+        P(no)) for a yes/no pair. Conventions follow sentence-transformers' CrossEncoder.rank.
+
+        Args:
+            query, items: as in `score`.
+            labels, label_token_ids: as in `score`, at least two; not with a template.
+            positive: the index of the positive label.
+            top_k: return only the best top_k (default all).
+            template: a `tpuscore.templates` name (e.g. "qwen3-reranker", "plain") or a
+                `Template`: it renders the query and items and supplies the item suffix and
+                the labels.
+            instruction: the template's instruction (default the template's own).
+            item_suffix, max_item_tokens, truncate, backend: as in `score`.
+            show_progress: show a progress bar (tqdm, on stderr) over the items; the items then
+                run in pages of `ranking.PROGRESS_PAGE_ITEMS`.
+
+        Returns:
+            `RankedItem(index, score, item)` per item, best first (item as given, not rendered).
+
+        Raises:
+            ValidationError: as `score`, and `invalid_argument` for a bad positive or top_k, or
+                labels / item_suffix given together with a template; `unknown_template`.
+        """
+        return ranking.rank(
+            self,
+            query,
+            items,
+            labels=labels,
+            label_token_ids=label_token_ids,
+            positive=positive,
+            top_k=top_k,
+            template=template,
+            instruction=instruction,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
+            backend=backend,
+            show_progress=show_progress,
+        )
+
+    def loglikelihood(
+        self,
+        context: str | list[int],
+        continuations: list[str] | list[list[int]],
+        *,
+        backend: str | None = None,
+    ) -> list[LoglikelihoodResult]:
+        """log P(continuation | context) for each continuation, with lm-evaluation-harness
+        semantics (`tpuscore.loglikelihood` documents the tokenization).
+
+        Args:
+            context: text (encoded with special tokens) or token ids.
+            continuations: texts (each encoded without special tokens) or token-id lists, the
+                same kind as context; none may be empty.
+            backend: None, "auto" or "prefill_extend", the backend whose prefill and extend
+                steps (and prefix cache) it runs on.
+
+        Returns:
+            One `LoglikelihoodResult(logprob, is_greedy, token_logprobs, num_tokens)` per
+            continuation, in order.
+
+        Raises:
+            ValidationError: bad input (codes as `score`'s, and `empty_continuation`), or a
+                backend that cannot run it (`unsupported_option`).
+        """
+        return loglikelihood.loglikelihood(self, context, continuations, backend=backend)
+
+    def warmup(
+        self,
+        geometries: Sequence[Sequence[int]] | None = None,
+        *,
+        backends: Sequence[str] | None = None,
+    ) -> list[Warmed]:
+        """Compile ahead of time every step that requests of these geometries will meet.
+
+        Args:
+            geometries: (query_tokens, num_items, item_tokens) triples; default
+                `tpuscore.warmup.DEFAULT_GEOMETRIES`, a typical ranking service's.
+            backends: the backends to warm for each; default the one `score` would run.
+
+        Returns:
+            What ran per geometry and backend, with its seconds (also logged at INFO). A
+            geometry already compiled costs its run time only, no compilation.
+
+        Raises:
+            ValidationError: a geometry that is not three ints with num_items > 0
+                (`invalid_geometry`), or one whose requests `score` would refuse (for example
+                `sequence_too_long`), with `param` naming it ("geometries[1]"); checked before
+                any runs. An unknown backend (`unknown_backend`).
+        """
+        names = [validation.backend_name(b) for b in backends or [self.default_backend]]
+        geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
+        return warm(self.backends, self.prepare, self.selector, names, geometries)
 
     def get_backend(self, name: str) -> registry.Backend:
         """The backend instance `name`, built on first use with its options; for example

@@ -34,7 +34,7 @@ register(
     PackedSegmentBackend,
     options=PackedSegmentOptions,
     item_first=False,
-    compiled_on={"tpu"},  # elsewhere its Pallas kernel runs in interpret mode
+    compiled_on={"tpu", "gpu"},  # a Mosaic TPU and a Triton kernel; on CPU, interpret mode
 )
 register("serial", SerialBackend, options=SerialOptions)
 register("reference", ReferenceBackend)

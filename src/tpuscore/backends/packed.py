@@ -8,8 +8,9 @@ backends differ only in how attention applies that mask:
 
 - packed_dense materializes it as a [T, T] mask for XLA attention: simple, O(T^2) memory, so the
   items are split into chunks whose estimated attention memory fits a budget.
-- packed_segment runs `kernels.segment_attention`, a Pallas flash-attention kernel that computes
-  the mask per tile from O(T) metadata and skips tiles the mask empties. Off TPU it runs in Pallas
+- packed_segment runs a Pallas flash-attention kernel that computes the mask per tile from O(T)
+  metadata and skips tiles the mask empties: `kernels.segment_attention` on TPU,
+  `kernels.segment_attention_gpu` (Triton) on GPUs. On CPU it runs the TPU kernel in Pallas
   interpret mode: right, but not fast.
 """
 
@@ -30,6 +31,7 @@ from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
 from tpuscore.buckets import bucket_count, bucket_tokens
 from tpuscore.errors import ValidationError, check_int
 from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
+from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes, segment_attention_gpu
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -55,31 +57,34 @@ class PackedOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PackedSegmentOptions(PackedOptions):
-    """As packed_dense's, and block_sizes: the kernel's tiles, a `BlockSizes` or a dict of its
-    fields (default `BlockSizes()`)."""
+    """As packed_dense's, and block_sizes: the kernel's tiles. On a GPU a `GpuBlockSizes` (the
+    Triton kernel's), elsewhere a `BlockSizes` (the TPU kernel's), or a dict of its fields;
+    default the platform's default tiles."""
 
-    block_sizes: BlockSizes | None = None
+    block_sizes: BlockSizes | GpuBlockSizes | None = None
 
     def __post_init__(self):
         super().__post_init__()
         block_sizes = self.block_sizes
+        kind = GpuBlockSizes if jax.default_backend() == "gpu" else BlockSizes
         try:
             if isinstance(block_sizes, dict):
-                block_sizes = BlockSizes(**block_sizes)
+                block_sizes = kind(**block_sizes)
         except (TypeError, ValueError) as e:
             raise ValidationError(
                 "invalid_backend_option", f"block_sizes: {e}", "block_sizes"
             ) from None
-        if not isinstance(block_sizes, BlockSizes | None):
+        if not isinstance(block_sizes, kind | None):
             raise ValidationError(
                 "invalid_backend_option",
-                f"block_sizes must be a BlockSizes or a dict of its fields, got {block_sizes!r}",
+                f"block_sizes must be a {kind.__name__} on {jax.default_backend()} or a dict of "
+                f"its fields, got {block_sizes!r}",
                 "block_sizes",
             )
-        object.__setattr__(self, "block_sizes", block_sizes or BlockSizes())
+        object.__setattr__(self, "block_sizes", block_sizes or kind())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def score_packed(
     params: Params,
     tokens: jax.Array,
@@ -89,12 +94,16 @@ def score_packed(
     score_index: jax.Array,
     label_ids: jax.Array,
     config: ModelConfig,
-    block_sizes: BlockSizes | None,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
     with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
 
-    block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel.
+    block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
+    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one).
+    interpret None runs the kernel in Pallas interpret mode where it has no lowering (tests
+    lowering for another platform pass False).
     """
     B, T = tokens.shape
     if block_sizes is None:
@@ -103,7 +112,9 @@ def score_packed(
 
         def attention(q, k, v):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
-            o = segment_attention(q, k, v, prefix_len, seg_start, block_sizes=block_sizes)
+            gpu = isinstance(block_sizes, GpuBlockSizes)
+            kernel = segment_attention_gpu if gpu else segment_attention
+            o = kernel(q, k, v, prefix_len, seg_start, block_sizes=block_sizes, interpret=interpret)
             return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, config, tokens, positions, attention)
@@ -125,7 +136,7 @@ class PackedStep:
 class PackedBackend:
     """What both packed backends share; subclasses say how attention applies the mask."""
 
-    block_sizes: BlockSizes | None = None
+    block_sizes: BlockSizes | GpuBlockSizes | None = None
     dense_mask = True
 
     def __init__(self, model: Model, options: PackedOptions):

@@ -22,6 +22,12 @@ class BackendPool:
         self._instances: dict[str, registry.Backend] = {}
         self._lock = threading.Lock()
 
+    def fresh(self) -> BackendPool:
+        """A pool of new instances (own caches and state) on the same model and options."""
+        pool = BackendPool(self.model, None)
+        pool._options = self._options
+        return pool
+
     def get(self, name: str) -> registry.Backend:
         with self._lock:
             if name not in self._instances:

@@ -345,13 +345,21 @@ class PrefillExtendBackend:
                 steps.append(ExtendStep(item_len, groups, rows))
         return steps
 
+    def query_prefix(self, query: np.ndarray) -> Prefix:
+        """One query's K/V, from the cache or prefilled, with no output to count steps in (for
+        other workloads on this machinery, such as `loglikelihood`)."""
+        return self.query_prefixes([query], None, [0])[0]
+
     def query_prefixes(
-        self, queries: Sequence[np.ndarray], out: GroupsOutputBuilder, owners: Sequence[int]
+        self,
+        queries: Sequence[np.ndarray],
+        out: GroupsOutputBuilder | None,
+        owners: Sequence[int],
     ) -> list[Prefix]:
         """Each query's K/V. Prefills nothing on a cache hit, the part past the longest cached
         prefix on a partial hit, all of it on a miss. Queries that need prefill run together,
-        the next chunk of each in one row of a step; each prefill step is counted in `out`,
-        its tokens charged to the query's owner group."""
+        the next chunk of each in one row of a step; each prefill step is counted in `out` (if
+        given), its tokens charged to the query's owner group."""
         prefixes: list[Prefix | None] = [None] * len(queries)
         pending = []  # (query index, prefix so far, tokens done)
         for i, query in enumerate(queries):
@@ -397,7 +405,8 @@ class PrefillExtendBackend:
         charged = {owners[i]: len(c) for (i, _, _), c in zip(step, chunks, strict=True)}
         if len(step) == 1:  # one query: its prefix in place, as a lone request runs
             (i, prefix, start), chunk = step[0], chunks[0]
-            out.step("prefill", (tokens.shape[1], sizes[0]), charged)
+            if out is not None:
+                out.step("prefill", (tokens.shape[1], sizes[0]), charged)
             prefix = prefill(
                 self.model.params,
                 prefix,
@@ -410,7 +419,8 @@ class PrefillExtendBackend:
         counts = np.zeros(tokens.shape[0], np.int32)
         counts[: len(chunks)] = list(map(len, chunks))
         stacked = decoder.stack_prefixes([prefix for _, prefix, _ in step], tokens.shape[0])
-        out.step("prefill_rows", (*tokens.shape, stacked.k.shape[-1], max(sizes)), charged)
+        if out is not None:
+            out.step("prefill_rows", (*tokens.shape, stacked.k.shape[-1], max(sizes)), charged)
         stacked = prefill_rows(
             self.model.params, stacked, tokens, counts, config=self.model.config, size=max(sizes)
         )
