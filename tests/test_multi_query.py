@@ -208,3 +208,21 @@ def test_a_backend_with_only_score_gets_one_call_per_group(scorers, rng):
     for request, result in zip(requests, results, strict=True):
         expected = scorer.score(**request, backend="reference")
         np.testing.assert_allclose(result.logprobs, expected.logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", MIXING)
+def test_a_step_mixes_groups_padded_to_different_item_buckets(scorers, rng, backend):
+    """Two queries' leftover items share a step whose item length is the longer group's bucket:
+    the shorter group's items (padded only to its own bucket) are copied into it."""
+    scorer = scorers(CASE)
+    vocab = scorer.config.vocab_size
+    requests = [
+        _request(rng, vocab, 9, (3, 2), [1, 2]),  # item bucket 4
+        _request(rng, vocab, 6, (18, 5), [1, 2]),  # item bucket 20
+    ]
+    results = Scorer(scorer.config, scorer.params, scorer.tokenizer).score_batch(
+        requests, backend=backend
+    )
+    for r, got in zip(requests, results, strict=True):
+        expected = scorer.score(**r, backend="reference").logprobs
+        np.testing.assert_allclose(got.logprobs, expected, atol=1e-4, rtol=0)

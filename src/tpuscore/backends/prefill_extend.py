@@ -248,7 +248,8 @@ class PrefillExtendBackend:
         item_lens = np.zeros(items.shape[0], np.int32)
         for r, (g, i) in enumerate(zip(groups, step.rows, strict=True)):
             item_lens[r] = batches[g].item_lens[i]
-            items[r] = batches[g].items[i, : step.item_len]
+            width = min(step.item_len, batches[g].items.shape[1])  # groups pad to own buckets
+            items[r, :width] = batches[g].items[i, :width]
         step_queries = sorted({query_of[w] for w in step.groups})
         if len(set(groups)) == 1:  # one group: its labels for every row
             labels = batches[groups[0]].label_ids
