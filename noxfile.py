@@ -1,5 +1,6 @@
 """Sessions: `nox -s demo` (score with the default model), `nox -s tests`, `nox -s lint`,
-`nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers)."""
+`nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers; with
+`-- --serving`, the serving benchmark)."""
 
 import glob
 
@@ -41,11 +42,17 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Items/s of tpuscore's backends against transformers (torch CPU) on the default model."""
+    """Items/s of tpuscore's backends against transformers (torch CPU) on the default model;
+    with `-- --serving`, the serving benchmark (benchmarks/serving.py) and the arguments after."""
     session.install(TORCH)
     session.install(".[dev]")
     session.install(*DEFAULT_MODEL)
-    session.run("python", "benchmarks/bench.py", *session.posargs)
+    args = list(session.posargs)
+    if "--serving" in args:
+        args.remove("--serving")
+        session.run("python", "benchmarks/serving.py", *args)
+    else:
+        session.run("python", "benchmarks/bench.py", *args)
 
 
 @nox.session

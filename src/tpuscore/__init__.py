@@ -6,6 +6,7 @@
 """
 
 from tpuscore import backends, templates
+from tpuscore.batcher import Batcher, Overloaded
 from tpuscore.errors import ValidationError
 from tpuscore.loglikelihood import LoglikelihoodResult
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
@@ -17,10 +18,12 @@ from tpuscore.scorer import Scorer
 from tpuscore.templates import Template
 
 __all__ = [
+    "Batcher",
     "CheckpointMismatchError",
     "DefaultModelMissingError",
     "LoglikelihoodResult",
     "ModelConfig",
+    "Overloaded",
     "RankedItem",
     "ScoreResult",
     "Scorer",
