@@ -179,14 +179,21 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, jax devices {jax.devices()}"
 
 
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(from source)"
+
+
 def print_header(args: argparse.Namespace, model_name: str) -> None:
     packages = ("jax", "torch", "transformers", "tpuscore")
-    versions = ", ".join(f"{p} {importlib.metadata.version(p)}" for p in packages)
+    versions = ", ".join(f"{p} {version(p)}" for p in packages)
     print("# tpuscore serving benchmark\n")
     print(f"- command: `python {' '.join(sys.argv)}`")
     print(f"- machine: {machine()}")
     print(f"- versions: {versions}")
-    print(f"- model: {model_name}, dtype {args.dtype}; seed {args.seed}")
+    print(f"- model: {model_name}, dtype {args.dtype}, backend {args.backend}; seed {args.seed}")
     print(
         f"- requests: query {args.query_len} tokens, {args.items} items x {args.item_len} "
         f"tokens, {args.labels} labels; Poisson arrivals for {args.duration:.0f} s"
@@ -225,6 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-batch-tokens", type=int, help="the Batcher's max_batch_tokens (default its own)")
     add("--dtype", choices=["float32", "bfloat16"], help="default float32, bfloat16 with --gpu")
     add("--seed", type=int, default=0)
+    add("--backend", default="auto", help="tpuscore's backend for both tpuscore peers")
     add("--skip-hf", action="store_true", help="time tpuscore only")
     add("--gpu", action="store_true", help="a random Qwen3-0.6B-shaped checkpoint, HF on CUDA")
     add("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         from random_checkpoint import qwen3_0_6b
 
         checkpoint = qwen3_0_6b(args.checkpoint, dtype=args.dtype)
-    scorer = Scorer.from_pretrained(checkpoint, dtype=args.dtype)
+    scorer = Scorer.from_pretrained(checkpoint, dtype=args.dtype, backend=args.backend)
     model_name = "random Qwen3-0.6B shape" if args.gpu else "embedded default (SmolLM2-135M)"
     print_header(args, model_name)
     rng = np.random.default_rng(args.seed)

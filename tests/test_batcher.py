@@ -59,15 +59,18 @@ def _requests(rng, scorer, n: int, *, serial: bool = True) -> list[dict]:
     return requests
 
 
+def assert_as_alone(batched, alone) -> None:
+    """A batched result against its request scored alone: a batch mixes queries in its device
+    steps, so the padded shapes differ and float32 rounding may too (the README's guarantee:
+    within 1e-5)."""
+    np.testing.assert_allclose(batched, alone, atol=1e-5, rtol=0)
+
+
 def _assert_sequential(results, requests, sequential) -> None:
-    """Each result equals its request scored alone: bit for bit, or within 1e-5 where it shares
-    its query and labels with another request (they may have run as one backend call)."""
-    for request, result, alone in zip(requests, results, sequential, strict=True):
+    """Each result equals its request scored alone, within the batch-composition bound."""
+    for result, alone in zip(results, sequential, strict=True):
         assert result.backend == alone.backend and result.logprobs.shape == alone.logprobs.shape
-        if request["query"] is requests[0]["query"]:
-            np.testing.assert_allclose(result.logprobs, alone.logprobs, atol=1e-5, rtol=0)
-        else:
-            np.testing.assert_array_equal(result.logprobs, alone.logprobs)
+        assert_as_alone(result.logprobs, alone.logprobs)
 
 
 @pytest.fixture
@@ -115,11 +118,11 @@ def test_past_max_pending_a_submission_is_refused_at_once(scorer, rng):
         assert time.monotonic() - start < 1.0 and isinstance(Overloaded(3), RuntimeError)
         gate.set()
         for future, request in zip(futures, requests[:3], strict=True):
-            np.testing.assert_array_equal(
+            assert_as_alone(
                 future.result(WAIT_S).logprobs, scorer.score(**request).logprobs
             )
         again = batcher.score(**requests[3])  # room again
-        np.testing.assert_array_equal(again.logprobs, scorer.score(**requests[3]).logprobs)
+        assert_as_alone(again.logprobs, scorer.score(**requests[3]).logprobs)
 
 
 def test_close_finishes_what_was_accepted_then_refuses(scorer, rng):
@@ -138,7 +141,7 @@ def test_close_finishes_what_was_accepted_then_refuses(scorer, rng):
     closer.join(WAIT_S)
     assert not closer.is_alive() and all(f.done() for f in futures)
     for future, request in zip(futures, requests, strict=True):
-        np.testing.assert_array_equal(future.result().logprobs, scorer.score(**request).logprobs)
+        assert_as_alone(future.result().logprobs, scorer.score(**request).logprobs)
     with pytest.raises(RuntimeError, match="closed"):
         batcher.score(**requests[0])
     batcher.close()  # again: nothing happens
@@ -171,12 +174,12 @@ def test_a_backend_failure_reaches_only_the_callers_of_its_step(scorer, rng):
             with pytest.raises(RuntimeError, match="injected backend failure"):
                 future.result(WAIT_S)
         for future, request in zip([first, *others], [requests[0], *requests[4:]], strict=True):
-            np.testing.assert_array_equal(
+            assert_as_alone(
                 future.result(WAIT_S).logprobs, scorer.score(**request).logprobs
             )
         assert spy.runs[1:] == [3, 3]  # one batch, one run per backend
         after = batcher.score(**requests[1])  # the worker keeps serving
-        np.testing.assert_array_equal(after.logprobs, scorer.score(**requests[1]).logprobs)
+        assert_as_alone(after.logprobs, scorer.score(**requests[1]).logprobs)
 
 
 def test_a_bad_request_fails_only_its_caller(scorer, rng):
@@ -199,7 +202,7 @@ def test_a_bad_request_fails_only_its_caller(scorer, rng):
         gate.set()
         for future, request in zip([first, *others], [requests[0], *requests[3:]], strict=True):
             expected = scorer.score(**{**request, "backend": "prefill_extend"})
-            np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+            assert_as_alone(future.result(WAIT_S).logprobs, expected.logprobs)
 
 
 def test_a_request_the_plan_refuses_after_submission_fails_only_its_caller(scorer, rng):
@@ -221,10 +224,10 @@ def test_a_request_the_plan_refuses_after_submission_fails_only_its_caller(score
                 item_first.result(WAIT_S)
             assert refused.value.code == "unsupported_option"
             expected = scorer.score(**requests[0])
-            np.testing.assert_array_equal(first.result(WAIT_S).logprobs, expected.logprobs)
+            assert_as_alone(first.result(WAIT_S).logprobs, expected.logprobs)
             for future, request in zip(others, requests[2:], strict=True):
                 expected = scorer.score(**request, backend="serial")
-                np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+                assert_as_alone(future.result(WAIT_S).logprobs, expected.logprobs)
     finally:
         backends.register("batcher_changing", **serial)
 
@@ -247,7 +250,7 @@ def test_max_batch_tokens_bounds_a_batch(scorer, rng):
         gate.set()
         for future, request in zip(futures, requests, strict=True):
             expected = scorer.score(**request)
-            np.testing.assert_array_equal(future.result(WAIT_S).logprobs, expected.logprobs)
+            assert_as_alone(future.result(WAIT_S).logprobs, expected.logprobs)
     assert spy.runs == [1, 2, 2, 2], spy.runs
 
 

@@ -57,9 +57,16 @@ def steps(config: ModelConfig, dtype, platform: str) -> dict:
     )
     L, K, H, D = config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size
     prefix = Prefix(S((L, K, H, 256), dtype), S((L, K, 256, H), dtype), S((), i32), S((D,), f32))
+    Q = 4  # stacked prefixes: queries of one prefill or mixed extend step
+    prefixes = Prefix(
+        S((L, Q, K, H, 256), dtype), S((L, Q, K, 256, H), dtype), S((Q,), i32), S((Q, D), f32)
+    )
     labels = S((16,), i32)
-    T = 512
-    packed_args = (params, S((T,), i32), S((T,), i32), S((), i32), S((T,), i32), S((32,), i32))
+    B, T = 2, 512  # packed rows of several requests
+    packed_args = (
+        params,
+        *(S((B, T), i32), S((B, T), i32), S((B,), i32), S((B, T), i32), S((B, 32), i32)),
+    )
     kernel_tiles = GpuBlockSizes() if platform == "cuda" else BlockSizes()
 
     def with_config(f, **static):
@@ -74,17 +81,25 @@ def steps(config: ModelConfig, dtype, platform: str) -> dict:
             with_config(prefill_extend.prefill, size=384),
             (params, prefix, S((1, 128), i32), S((), i32)),
         ),
+        "prefill_rows": (
+            with_config(prefill_extend.prefill_rows, size=384),
+            (params, prefixes, S((Q, 128), i32), S((Q,), i32)),
+        ),
         "extend": (
             with_config(prefill_extend.score_items),
             (params, prefix, S((64, 24), i32), S((64,), i32), labels),
         ),
+        "extend_mixed": (
+            with_config(prefill_extend.score_mixed_items),
+            (params, prefixes, S((64,), i32), S((64, 24), i32), S((64,), i32), S((64, 16), i32)),
+        ),
         "packed_dense": (
             with_config(packed.score_packed, block_sizes=None),
-            (*packed_args, labels),
+            (*packed_args, S((B, 16), i32)),
         ),
         "packed_segment": (
             with_config(packed.score_packed, block_sizes=kernel_tiles, interpret=False),
-            (*packed_args, labels),
+            (*packed_args, S((B, 16), i32)),
         ),
     }
 

@@ -74,7 +74,7 @@ def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend):
     np.testing.assert_allclose(got.logprobs, serial, atol=ATOL, rtol=0)
     stats = scorer.get_backend(backend).score(make_batch(query, items, [1, 2], False)).stats
     assert stats.chunks == stats.steps > 1
-    assert all(length <= 256 for _, (length, _, _) in stats.shapes)
+    assert all(length <= 256 for _, (_, length, _, _) in stats.shapes)
     assert got.num_tokens == stats.tokens == stats.chunks * len(query) + sum(map(len, items))
 
 
@@ -138,7 +138,8 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     token_buckets = {bucket(n) for n in range(1, longest + 1)}
     item_buckets = {bucket_count(n) for n in range(1, 41)}
     label_buckets = {bucket_count(n, MIN_LABEL_BUCKET) for n in range(1, 7)}
-    for length, items, labels in distinct:
+    for rows, length, items, labels in distinct:
+        assert rows == 1  # one request at a time, each one chunk: one packed row per step
         assert length in token_buckets and items in item_buckets and labels in label_buckets
     assert first_pass <= len(token_buckets) * len(item_buckets) * len(label_buckets)
     print(

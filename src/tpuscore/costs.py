@@ -52,19 +52,64 @@ def packed_bytes(config: ModelConfig, length: int, *, dense_mask: bool) -> int:
     return length * activation_bytes_per_token(config) + attention
 
 
-def extend_batch_rows(config: ModelConfig, item_len: int, budget: int, max_tokens: int) -> int:
+def packed_step_bytes(
+    config: ModelConfig, rows: int, length: int, slots: int, *, dense_mask: bool
+) -> int:
+    """One packed step of `rows` sequences of `length` tokens, each scoring `slots` positions:
+    the rows' layer memory, and their float32 logits and log-softmax over the vocabulary."""
+    lm_head = 2 * 4 * slots * config.vocab_size
+    return rows * (packed_bytes(config, length, dense_mask=dense_mask) + lm_head)
+
+
+def packed_rows(
+    config: ModelConfig, length: int, budget: int, max_tokens: int, *, dense_mask: bool
+) -> int:
+    """Packed sequences per step at this length: a power of two whose layer memory fits the
+    budget, with at most max_tokens tokens in all (at least 1)."""
+    per_row = packed_bytes(config, length, dense_mask=dense_mask)
+    return pow2_floor(min(budget // per_row, max_tokens // length))
+
+
+def extend_batch_rows(
+    config: ModelConfig, item_len: int, budget: int, max_tokens: int, row_prefix_len: int = 0
+) -> int:
     """Items per prefill_extend step at this item length: a power of two whose activations fit
     the budget, with at most max_tokens item tokens.
 
     Per item token, in float32: activations, and scores and exp weights against its own item.
-    Scores against the prefix go through fixed-size blocks (`score_block_tokens`)."""
+    Scores against a prefix shared by the whole step go through fixed-size blocks
+    (`score_block_tokens`). With a prefix per row (rows of different queries, stacked and padded
+    to `row_prefix_len` positions), each row also holds its own copy of that prefix's K/V, and its
+    scores against it are not blocked."""
+    K, H = config.num_kv_heads, config.head_dim
     per_token = activation_bytes_per_token(config) + 4 * 3 * config.num_heads * item_len
+    per_token += (
+        4 * 3 * config.num_heads * row_prefix_len + 2 * 4 * K * H * row_prefix_len // item_len
+    )
     return pow2_floor(min(max_tokens, budget // per_token) // item_len)
 
 
 def serial_batch_rows(length: int, max_batch_tokens: int, max_rows: int) -> int:
     """Sequences per serial step: a power of two, so chunks reuse count buckets."""
     return pow2_floor(min(max_rows, max_batch_tokens // length))
+
+
+def prefill_row_bytes(config: ModelConfig, length: int, base_len: int) -> int:
+    """One row of a batched prefill step: `length` new tokens continuing a cached prefix of
+    `base_len` padded positions. In float32: activations, scores and exp weights against its own
+    tokens and against its prefix, and its copy of the prefix's K/V."""
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+    per_token = activation_bytes_per_token(config) + 4 * 3 * N * (length + base_len)
+    return length * per_token + 2 * 4 * K * H * base_len
+
+
+def prefill_rows(
+    config: ModelConfig, length: int, base_len: int, budget: int, max_tokens: int
+) -> int:
+    """Queries per batched prefill step (see `prefill_row_bytes`): a power of two whose memory
+    fits the budget, with at most max_tokens tokens in all (at least 1)."""
+    per_row = prefill_row_bytes(config, length, base_len)
+    return pow2_floor(min(budget // per_row, max_tokens // length))
 
 
 def score_block_tokens(tokens: int, bytes_per_token: int) -> int:

@@ -12,11 +12,15 @@ itself only, so it is scored on exactly the tokens serial scoring sees. Query [q
     scored at   a: 3, the empty item: 1 (the query's last token), b: 4
 
 Padding rows are segments of their own, so every row has a key to attend to.
+
+Several packed sequences, each with its own query, go in the batch axis (`stack`): one per row,
+with `prefix_len` and `seg_start` per row. Padding rows are all padding: prefix_len 0 and each
+token a segment of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -71,3 +75,32 @@ def plan(batch: ScoreBatch, max_tokens: int) -> Iterator[np.ndarray]:
         used += int(n)
     if start < len(lens):
         yield np.arange(start, len(lens))
+
+
+@attrs.frozen
+class PackedRows:
+    """Packed sequences in the batch axis: tokens, positions, seg_start [B, T]; prefix_len [B];
+    score_index [B, I] (padded with 0). Rows past the chunks given are padding."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seg_start: np.ndarray
+    prefix_len: np.ndarray
+    score_index: np.ndarray
+
+
+def stack(chunks: Sequence[PackedChunk], rows: int) -> PackedRows:
+    """The chunks (all of one length T) as the first rows of `rows` packed rows, scoring as many
+    positions per row as the chunk that scores the most."""
+    T = len(chunks[0].tokens)
+    slots = max(len(c.score_index) for c in chunks)
+    tokens = np.zeros((rows, T), np.int32)
+    positions = np.zeros((rows, T), np.int32)
+    seg_start = np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()
+    prefix_len = np.zeros(rows, np.int32)
+    score_index = np.zeros((rows, slots), np.int32)
+    for r, chunk in enumerate(chunks):
+        tokens[r], positions[r], seg_start[r] = chunk.tokens, chunk.positions, chunk.seg_start
+        prefix_len[r] = chunk.prefix_len
+        score_index[r, : len(chunk.score_index)] = chunk.score_index
+    return PackedRows(tokens, positions, seg_start, prefix_len, score_index)

@@ -1,8 +1,9 @@
 """Planning a call: group validated requests, pick a backend per group, split its output back.
 
-Requests that share a query, labels and item_first form one `Group` and run as one backend call,
-so their items fill batches together and the query runs once. A `Selector` names the backend
-"auto" runs for a group.
+Requests that share a query, labels and item_first form one `Group`, so their items fill batches
+together and the query runs once. A `Selector` names the backend "auto" runs for a group, and
+each backend gets all the groups that picked it in one call (`by_backend`), where backends that
+can mix queries in a device step do.
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def plan(
         validation.check_capabilities(name, g.batch.item_first)
         planned.append((g, name))
     return planned
+
+
+def by_backend(planned: Sequence[tuple[Group, str]]) -> dict[str, list[Group]]:
+    """The planned groups of each backend, in plan order: a backend gets all of a call's groups
+    at once, so groups with different queries can share its device steps."""
+    groups: dict[str, list[Group]] = {}
+    for g, name in planned:
+        groups.setdefault(name, []).append(g)
+    return groups
 
 
 def split(

@@ -185,7 +185,8 @@ class Scorer:
         show_progress: bool = False,
     ) -> list[ScoreResult]:
         """Score many requests in one call. Requests with the same query, labels and item_first
-        run as one backend call, so their items fill batches together and the query runs once.
+        share their query's work; requests with different queries share device steps where the
+        backend can mix them (every built-in one but serial and reference).
 
         Args:
             requests: mappings of `score`'s arguments (query, items, and label_token_ids or
@@ -249,9 +250,11 @@ class Scorer:
         backend: str | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> list[ScoreResult]:
-        """Score requests from `prepare`, one backend call per group that shares a query, labels
-        and item_first. Every group's backend is checked before any runs. on_progress, if given,
-        is called with the number of requests each group completes.
+        """Score requests from `prepare`. Requests that share a query, labels and item_first form
+        a group; each backend gets all the groups that picked it in one call, so groups with
+        different queries can share device steps. Every group's backend is checked before any
+        runs. on_progress, if given, is called with the number of requests each backend call
+        completes.
 
         Raises:
             ValidationError: an unknown backend, or one that cannot score a request
@@ -262,13 +265,15 @@ class Scorer:
         planned = planning.plan(requests, name, self.selector, self.model)
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
-        for group, chosen in planned:
-            output = self.backends.get(chosen).score(group.batch)
-            split = planning.split(output, group, requests, chosen)
-            for i, result in zip(group.members, split, strict=True):
-                results[i] = result
+        for chosen, groups in planning.by_backend(planned).items():
+            backend = self.backends.get(chosen)
+            outputs = registry.score_groups(backend, [g.batch for g in groups])
+            for group, output in zip(groups, outputs, strict=True):
+                split = planning.split(output, group, requests, chosen)
+                for i, result in zip(group.members, split, strict=True):
+                    results[i] = result
             if on_progress is not None:
-                on_progress(len(group.members))
+                on_progress(sum(len(g.members) for g in groups))
         return results
 
     def rank(

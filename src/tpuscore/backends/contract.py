@@ -1,15 +1,17 @@
 """The backend contract: what the facade hands a backend and what a backend hands back.
 
-A backend receives a validated `ScoreBatch`, padded to bucket shapes, and returns a
-`BackendOutput`: logprobs in the batch's padded shape, a validity mask, and the stats of the
-device steps it ran. Backends build their output through `BackendOutput.for_batch`, which keeps
-every step's result on device until the end, so all steps of a call are dispatched before the
-host waits for any.
+A backend receives validated `ScoreBatch`es, padded to bucket shapes, one per group (a query with
+its items and labels), and returns a `BackendOutput` per group: logprobs in the batch's padded
+shape, a validity mask, and the stats of the device steps it ran. `score(batch)` scores one
+group; `score_groups(batches)`, where a backend has it, scores several at once and may mix their
+rows in one device step. Backends build their output through `BackendOutput.for_batch` (one
+group) or `BackendOutput.for_groups` (several), which keep every step's result on device until
+the end, so all steps of a call are dispatched before the host waits for any.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -72,6 +74,16 @@ def make_batch(
     )
 
 
+def stack_labels(label_ids: Sequence[np.ndarray], rows: int) -> np.ndarray:
+    """Label ids per row [rows, C] for rows of different groups: row r gets label_ids[r], and all
+    are padded with 0 to the widest (each is a label bucket already, so the width is one too).
+    Rows past len(label_ids) are padding."""
+    labels = np.zeros((rows, max(len(ids) for ids in label_ids)), np.int32)
+    for r, ids in enumerate(label_ids):
+        labels[r, : len(ids)] = ids
+    return labels
+
+
 @attrs.define
 class StepStats:
     """What a backend ran for one batch.
@@ -104,31 +116,73 @@ class BackendOutput:
         """A builder for this batch's output: record each step, then `build()`."""
         return OutputBuilder(batch)
 
+    @staticmethod
+    def for_groups(batches: Sequence[ScoreBatch]) -> GroupsOutputBuilder:
+        """A builder for the outputs of several groups whose steps may mix them."""
+        return GroupsOutputBuilder(batches)
+
+
+class GroupsOutputBuilder:
+    """Collects a backend's steps for the groups (batches) of one call, where a step may score
+    rows of several groups. Results stay on device until `build`, so the host dispatches every
+    step before it waits for the first, and reads each step's result back once.
+
+    Each group's stats count the steps it took part in, its own tokens and the chunks (packed
+    rows or item batches) that scored its items; `steps` counts every step of the call once.
+    """
+
+    def __init__(self, batches: Sequence[ScoreBatch]):
+        self._shapes = [(b.items.shape[0], b.label_ids.shape[0]) for b in batches]
+        self._pending: list[list[tuple[np.ndarray, Any, Any]]] = [[] for _ in batches]
+        self.stats = [StepStats() for _ in batches]
+        self.steps = 0
+
+    def step(self, name: str, shape: tuple[int, ...], tokens: Mapping[int, int]) -> None:
+        """Count one device step of input `shape` in which group g ran tokens[g] real token
+        positions (the groups it serves, tokens 0 for one that only reads its results)."""
+        self.steps += 1
+        shape = tuple(int(n) for n in shape)
+        for g, n in tokens.items():
+            stats = self.stats[g]
+            stats.steps += 1
+            stats.tokens += int(n)
+            stats.shapes.append((name, shape))
+
+    def scores(self, group: int, rows: np.ndarray, logprobs: Any, index: Any = ()) -> None:
+        """The step just counted scored rows `rows` of batch `group`: logprobs[index] holds
+        their logprobs [>= len(rows), >= C] (a device array, read back in `build`)."""
+        self.stats[group].chunks += 1
+        self._pending[group].append((np.asarray(rows), logprobs, index))
+
+    def build(self) -> list[BackendOutput]:
+        host: dict[int, np.ndarray] = {}  # each step's result read back once
+        outputs = []
+        for shape, pending, stats in zip(self._shapes, self._pending, self.stats, strict=True):
+            logprobs = np.zeros(shape, np.float32)
+            valid = np.zeros(shape[0], bool)
+            for rows, out, index in pending:
+                if id(out) not in host:
+                    host[id(out)] = np.asarray(out)
+                logprobs[rows] = host[id(out)][index][: len(rows), : shape[1]]
+                valid[rows] = True
+            outputs.append(BackendOutput(logprobs, valid, stats))
+        return outputs
+
 
 class OutputBuilder:
-    """Collects a backend's steps for one batch. Results stay on device until `build`, so the
-    host dispatches every step before it waits for the first."""
+    """Collects a backend's steps for one batch (`GroupsOutputBuilder` with one group)."""
 
     def __init__(self, batch: ScoreBatch):
-        self._shape = (batch.items.shape[0], batch.label_ids.shape[0])
-        self._pending: list[tuple[np.ndarray, Any]] = []
-        self.stats = StepStats()
+        self._groups = GroupsOutputBuilder([batch])
+        self.stats = self._groups.stats[0]
 
     def step(self, name: str, shape: tuple[int, ...], tokens: int) -> None:
         """Count one device step of input `shape` that ran `tokens` real token positions."""
-        self.stats.steps += 1
-        self.stats.tokens += tokens
-        self.stats.shapes.append((name, tuple(int(n) for n in shape)))
+        self._groups.step(name, shape, {0: tokens})
 
     def scores(self, rows: np.ndarray, logprobs: Any) -> None:
         """The step just counted scored batch rows `rows`: its logprobs [>= len(rows), C]."""
-        self.stats.chunks += 1
-        self._pending.append((np.asarray(rows), logprobs))
+        self._groups.scores(0, rows, logprobs)
 
     def build(self) -> BackendOutput:
-        logprobs = np.zeros(self._shape, np.float32)
-        valid = np.zeros(self._shape[0], bool)
-        for rows, out in self._pending:
-            logprobs[rows] = np.asarray(out)[: len(rows)]
-            valid[rows] = True
-        return BackendOutput(logprobs, valid, self.stats)
+        return self._groups.build()[0]

@@ -8,7 +8,7 @@ validates itself), or None for a backend registered without one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -20,9 +20,27 @@ PLATFORMS = frozenset({"cpu", "gpu", "tpu"})  # as jax.default_backend() names t
 
 
 class Backend(Protocol):
-    """Scores a validated, bucket-padded batch. Never validates input or post-processes scores."""
+    """Scores a validated, bucket-padded batch. Never validates input or post-processes scores.
+
+    A backend may also have `score_groups(batches) -> list[BackendOutput]`, which scores several
+    groups (each a query with its items and labels) in as few device steps as it can; one that
+    has only `score` is called once per group (`score_groups` below).
+    """
 
     def score(self, batch: ScoreBatch) -> BackendOutput: ...
+
+
+def score_groups(backend: Backend, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+    """Score several groups with one backend: its own `score_groups` where it has one, else its
+    `score` once per group, so a backend written for one group at a time keeps working."""
+    if hasattr(backend, "score_groups"):
+        outputs = list(backend.score_groups(batches))
+        if len(outputs) != len(batches):
+            raise RuntimeError(
+                f"score_groups returned {len(outputs)} outputs for {len(batches)} batches"
+            )
+        return outputs
+    return [backend.score(batch) for batch in batches]
 
 
 BackendFactory = Callable[[Any, Any], Backend]
@@ -65,7 +83,9 @@ def register(
     Args:
         name: the backend's name; any non-empty string but "auto".
         factory: called as `factory(model, options)`, returns an object with
-            `score(batch: ScoreBatch) -> BackendOutput`.
+            `score(batch: ScoreBatch) -> BackendOutput`, and optionally
+            `score_groups(batches: Sequence[ScoreBatch]) -> list[BackendOutput]` (else several
+            groups are scored one `score` call each).
         options: a frozen dataclass of the backend's options (keyword-only fields, None meaning
             the default), built from `Scorer(backend_options={name: {...}})`; None if it has none.
         item_first: whether it can score `item_first=True` requests; if not, they are refused

@@ -191,38 +191,96 @@ def extend(
     tokens: jax.Array,
     mask: jax.Array,
     *,
+    rows: jax.Array | None = None,
     return_kv: bool = False,
 ):
-    """Run tokens [B, T], each row continuing the same shared `prefix`, without copying it.
+    """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
-    Row tokens sit at positions prefix.length + [0, T) and attend to the whole prefix plus their
+    rows None: every row continues the one shared `prefix` (k [layers, K, H, P]), met through one
+    matmul for the whole batch. rows [B]: `prefix` is a stack of prefixes (k [layers, Q, K, H, P],
+    length [Q]; `stack_prefixes`) and row b continues prefix rows[b], gathered per row.
+
+    Row tokens sit at positions prefix length + [0, T) and attend to the whole prefix plus their
     own row under mask [B, T, T] (which must allow each token itself). The two attention parts are
     merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
     B, T = tokens.shape
-    positions = jnp.broadcast_to(prefix.length + jnp.arange(T), (B, T))
+    length = prefix.length if rows is None else prefix.length[rows][:, None]  # [] or [B, 1]
+    positions = jnp.broadcast_to(length + jnp.arange(T), (B, T))
     cos, sin = rope_angles(config, positions)
-    prefix_mask = jnp.arange(prefix.k.shape[-1]) < prefix.length
+    prefix_mask = jnp.arange(prefix.k.shape[-1]) < length  # [P] or [B, P]
+
+    def prefix_parts(q, prefix_k, prefix_v):
+        if rows is None:
+            return _prefix_parts(q, prefix_k, prefix_v, prefix_mask)
+        # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
+        k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
+        return _own_parts(q, k, v, jnp.broadcast_to(prefix_mask[:, None], (B, T, k.shape[1])))
 
     def step(x, layer):
         p, prefix_k, prefix_v = layer
         q, k, v = _qkv(config, x, p, cos, sin)
-        o = _merge(_prefix_parts(q, prefix_k, prefix_v, prefix_mask), _own_parts(q, k, v, mask))
+        o = _merge(prefix_parts(q, prefix_k, prefix_v), _own_parts(q, k, v, mask))
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = params["embed"][tokens].astype(f32)
     return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v))
 
 
-def label_logprobs(
-    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
-) -> jax.Array:
-    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows."""
+def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
+    """Prefixes stacked on a new axis 1 (k [layers, count, K, H, P], v [layers, count, K, P, H],
+    length [count], last_hidden [count, D]), padded to the longest P and to `count` entries
+    (padding entries are empty: length 0)."""
+    P = max(p.k.shape[-1] for p in prefixes)
+    first = prefixes[0]
+    empty = Prefix(
+        k=jnp.zeros((*first.k.shape[:-1], P), first.k.dtype),
+        v=jnp.zeros((*first.v.shape[:2], P, first.v.shape[-1]), first.v.dtype),
+        length=jnp.int32(0),
+        last_hidden=jnp.zeros_like(first.last_hidden),
+    )
+
+    def pad(p: Prefix) -> Prefix:
+        extra = P - p.k.shape[-1]
+        return p._replace(
+            k=jnp.pad(p.k, [(0, 0)] * 3 + [(0, extra)]),
+            v=jnp.pad(p.v, [(0, 0)] * 2 + [(0, extra), (0, 0)]),
+            length=jnp.asarray(p.length, jnp.int32),
+        )
+
+    padded = [pad(p) for p in prefixes] + [empty] * (count - len(prefixes))
+    return Prefix(
+        k=jnp.stack([p.k for p in padded], axis=1),
+        v=jnp.stack([p.v for p in padded], axis=1),
+        length=jnp.stack([p.length for p in padded]),
+        last_hidden=jnp.stack([p.last_hidden for p in padded]),
+    )
+
+
+def _vocab_logprobs(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """log P(token) over the full vocabulary [B, V] from the hidden states [B, D]."""
     h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
         logits = _dot("bd,vd->bv", h, params["embed"])
     else:
         logits = _dot("bd,dv->bv", h, params["lm_head"])
-    return jax.nn.log_softmax(logits, axis=-1)[:, label_ids]
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def label_logprobs(
+    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+) -> jax.Array:
+    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows."""
+    return _vocab_logprobs(params, config, hidden)[:, label_ids]
+
+
+def row_label_logprobs(
+    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+) -> jax.Array:
+    """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C]."""
+    B, slots, D = hidden.shape
+    logprobs = _vocab_logprobs(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
+    index = jnp.broadcast_to(label_ids[:, None, :], (B, slots, label_ids.shape[1]))
+    return jnp.take_along_axis(logprobs, index, axis=2)
