@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from tpuscore import Batcher, Scorer  # noqa: E402
+from tpuscore import Batcher, Overloaded, Scorer  # noqa: E402
+from tpuscore.batcher import DEFAULT_MAX_BATCH_TOKENS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +92,17 @@ def drive(
     timeout_s for the results."""
     done_at: dict[int, float] = {}
     lock = threading.Lock()
-    futures = []
+    futures, refused = [], 0
     start = time.perf_counter()
     for i, offset in enumerate(arrivals):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        future = submit(requests[i])
+        try:
+            future = submit(requests[i])
+        except Overloaded:  # a server answers 503: the request is refused, not queued
+            refused += 1
+            continue
 
         def record(f: Future, i: int = i) -> None:
             if not f.cancelled() and f.exception() is None:
@@ -115,7 +120,12 @@ def drive(
     latencies = np.array([finished[i] - (start + arrivals[i]) for i in sorted(finished)])
     span = (max(finished.values()) - start) if finished else float("nan")
     items = len(finished) * len(requests[0].items)
-    note = "" if len(finished) == len(arrivals) else f"{len(arrivals) - len(finished)} unfinished"
+    unfinished = len(arrivals) - len(finished) - refused
+    note = ", ".join(
+        f"{n} {what}"
+        for n, what in ((refused, "refused (Overloaded)"), (unfinished, "unfinished"))
+        if n
+    )
     return Outcome(name, latencies, len(arrivals), items / span, note)
 
 
@@ -267,6 +277,18 @@ def main(argv: list[str] | None = None) -> None:
         f"- sequential scorer.score: {sequential:.2f} requests/s "
         f"({sequential * args.items:.1f} items/s); rate {rate:.2f} requests/s"
     )
+    per_request = args.query_len + args.items * args.item_len
+    full = max(1, (args.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS) // per_request)
+    batch = [
+        dict(query=r.query, items=r.items, label_token_ids=r.labels)
+        for r in requests_for(rng, full, args, vocab)
+    ]
+    scorer.score_batch(batch)  # compile
+    start = time.perf_counter()
+    for _ in range(3):
+        scorer.score_batch(batch)
+    batched = 3 * full / (time.perf_counter() - start)
+    print(f"- score_batch of {full} requests (one full batch): {batched:.2f} requests/s")
     arrivals = poisson_arrivals(rng, rate, args.duration)
     print(f"- {len(arrivals)} arrivals per peer", flush=True)
     timeout_s = max(60.0, 3 * args.duration)
@@ -274,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
 
     batcher = Batcher(scorer, max_wait_ms=args.max_wait_ms, max_batch_tokens=args.max_batch_tokens)
     with batcher:
-        for burst in (1, 2, 4, 8):  # warm up the batch shapes a burst of arrivals makes
+        # Warm up the batch shapes bursts of arrivals make: up to a full batch of requests, in
+        # powers of two (the row and item counts the backends pad to).
+        for burst in [2**k for k in range(full.bit_length() + 1)]:
             futures = [
                 batcher.submit(query=r.query, items=r.items, label_token_ids=r.labels)
                 for r in requests_for(rng, burst, args, vocab)
