@@ -164,6 +164,33 @@ class Scorer:
                 raise ValidationError("invalid_argument", f"{where}: {e}", where) from None
         return self._run(validated, name)
 
+    # prepare/run: stand-ins for issue 9's public pair on main (the lead keeps main's versions).
+    def prepare(
+        self,
+        query: Any,
+        items: Any,
+        label_token_ids: Any = None,
+        *,
+        labels: Any = None,
+        apply_softmax: Any = False,
+        item_first: Any = False,
+    ) -> ScoreRequest:
+        """Validate one request (`score`'s arguments but backend), ready for `run`."""
+        return self._validate(
+            query,
+            items,
+            label_token_ids,
+            labels=labels,
+            apply_softmax=apply_softmax,
+            item_first=item_first,
+        )
+
+    def run(
+        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
+    ) -> list[ScoreResult]:
+        """Score requests from `prepare`, one backend call per group that shares a query."""
+        return self._run(list(requests), self._backend_name(backend))
+
     def get_backend(self, name: str) -> backends.Backend:
         """The backend instance `name`, built on first use with its `backend_options`; for
         example `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
