@@ -346,6 +346,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:  # a bad flag value: template name, limits
         raise InputError(str(e)) from None
+    print(
+        f"tpuscore: serving {app.state.service.model_name} on http://{args.host}:{args.port} "
+        "(POST /v1/score /v1/rerank /v2/rerank, GET /health /v1/models /metrics)",
+        file=sys.stderr,
+    )
     server.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
