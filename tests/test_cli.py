@@ -122,7 +122,7 @@ def test_rank_equals_scorer_rank(scorers, checkpoint_dir, tmp_path, capsys):
     request = {
         "query": "Which passage is about a fox?",
         "items": ["The quick brown fox.", "The market opens early.", "A lazy dog."],
-        "template": "plain",
+        "labels": ["y", "n"],  # single tokens in the tiny tokenizer (" yes" is not)
         "top_k": 2,
     }
     path = tmp_path / "rank.json"

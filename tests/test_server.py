@@ -15,7 +15,7 @@ import uvicorn
 from starlette.routing import Route
 
 from helpers import random_tokens
-from tpuscore import server
+from tpuscore import server, templates
 
 CASE = "qwen3_qknorm"
 MODEL_NAME = "tiny-qwen3"
@@ -30,6 +30,16 @@ DOCS = [
     "The river ran past the old mill.",
 ]
 ERROR_KEYS = {"object", "message", "type", "param", "code"}
+# The shipped templates' labels (" yes"/"yes") are several tokens in the tiny test tokenizer;
+# this one's are single bytes. The server takes a Template as well as a name.
+TEMPLATE = templates.Template(
+    name="test",
+    query="{instruction}\n\nQuery: {query}\n",
+    item="Document: {item}",
+    item_suffix="\nRelevant:",
+    labels=("y", "n"),
+    default_instruction="Judge whether the document is relevant to the query.",
+)
 
 
 class ServerThread:
@@ -71,7 +81,7 @@ def url(scorer):
     app = server.create_app(
         scorer,
         model_name=MODEL_NAME,
-        rerank_template="plain",
+        rerank_template=TEMPLATE,
         max_body_bytes=MAX_BODY_BYTES,
         max_items=MAX_ITEMS,
     )
@@ -131,7 +141,7 @@ def test_score_equals_the_scorer(client, scorer, rng):
 
 
 def expected_ranking(scorer, query, docs, **kwargs):
-    return scorer.rank(query, docs, template="plain", **kwargs)
+    return scorer.rank(query, docs, template=TEMPLATE, **kwargs)
 
 
 @pytest.mark.parametrize("path", ["/v1/rerank", "/rerank"])

@@ -174,7 +174,7 @@ class Service:
         batcher: Batcher,
         *,
         model_name: str,
-        rerank_template: str,
+        rerank_template: str | templates.Template,
         max_body_bytes: int,
         max_items: int,
     ):
@@ -182,10 +182,13 @@ class Service:
             raise ValueError(
                 f"max_body_bytes ({max_body_bytes}) and max_items ({max_items}) must be >= 1"
             )
-        try:
-            self.template = templates.get(rerank_template)
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"rerank template {rerank_template!r}: {e}") from None
+        if isinstance(rerank_template, templates.Template):
+            self.template = rerank_template
+        else:
+            try:
+                self.template = templates.get(rerank_template)
+            except ValueError as e:  # ValidationError: unknown_template
+                raise ValueError(f"--rerank-template: {e}") from None
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.max_items = max_body_bytes, max_items
@@ -287,6 +290,7 @@ class Service:
                 labels=list(t.labels),
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
+                truncate="right",
             )
         except ValidationError as e:  # name the rerank field, not Scorer.score's
             param = e.param if e.param is None else e.param.replace("items", "documents")
@@ -405,15 +409,18 @@ def create_app(
     scorer: Scorer,
     *,
     model_name: str = DEFAULT_MODEL_NAME,
-    rerank_template: str = "plain",
+    rerank_template: str | templates.Template = "plain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_items: int = DEFAULT_MAX_ITEMS,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
 ) -> Starlette:
-    """The ASGI app serving `scorer`. It builds a Batcher from batcher_options (keyword
-    arguments of `Batcher`) and closes it at shutdown, unless given one to share, which the
-    caller closes. Raises ValueError for a bad template name or limit."""
+    """The ASGI app serving `scorer`.
+
+    rerank_template is a `tpuscore.templates` name or a `Template` of your own. The app builds a
+    Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at shutdown,
+    unless given one to share, which the caller closes. Raises ValueError for an unknown
+    template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
