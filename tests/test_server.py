@@ -405,6 +405,14 @@ def test_concurrent_requests_equal_their_sequential_results(url, client, scorer,
     assert client.get("/health").json()["status"] == "ok"
 
 
+def test_a_template_that_does_not_fit_the_model_is_refused_at_start(scorer):
+    # " yes" is three tokens in the tiny tokenizer: every rerank would fail, so no app.
+    with pytest.raises(ValueError, match="multi_token_label|single tokens"):
+        server.create_app(scorer, rerank_template="plain")
+    with pytest.raises(ValueError, match="unknown"):
+        server.create_app(scorer, rerank_template="nope")
+
+
 def test_a_bug_answers_500_and_the_server_stays_up(client):
     response = client.post("/boom", json={})
     assert response.status_code == 500
@@ -429,7 +437,7 @@ def test_models_and_metrics(client):
 
 
 def test_overload_gives_503_with_retry_after(scorer, rng):
-    app = server.create_app(scorer, model_name=MODEL_NAME, batcher_options={"max_pending": 1})
+    app = server.create_app(scorer, rerank_template=TEMPLATE, batcher_options={"max_pending": 1})
     running = ServerThread(app)
     try:
         vocab = scorer.config.vocab_size

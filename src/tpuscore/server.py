@@ -189,6 +189,19 @@ class Service:
                 self.template = templates.get(rerank_template)
             except ValueError as e:  # ValidationError: unknown_template
                 raise ValueError(f"--rerank-template: {e}") from None
+        try:  # a template whose labels are not single tokens here would fail every rerank
+            t = self.template
+            scorer.prepare(
+                t.render_query("query"),
+                [t.render_item("document")],
+                labels=list(t.labels),
+                item_suffix=t.item_suffix,
+            )
+        except ValidationError as e:
+            raise ValueError(
+                f"rerank template {t.name!r} does not fit this model: {e}; "
+                "choose another --rerank-template"
+            ) from None
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.max_items = max_body_bytes, max_items
