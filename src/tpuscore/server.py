@@ -23,6 +23,7 @@ and a full queue answers 503 with Retry-After instead of queueing without bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -454,8 +455,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         yield
-        if own:
-            batcher.close()
+        if own:  # close() drains the queue: off the event loop, which the drain may need
+            await asyncio.to_thread(batcher.close)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
