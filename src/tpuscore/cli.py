@@ -126,7 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         help="how long the batcher waits for more requests before it runs a batch",
     )
     add("--max-batch-tokens", type=int, help="the batcher's token budget per batch")
-    add("--max-pending", type=int, help="queued requests beyond which the server answers 503")
+    add(
+        "--max-pending",
+        type=int,
+        help="unfinished requests (queued or running) beyond which the server answers 503",
+    )
 
     p = command(
         "bench",
