@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,6 +50,9 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = 4096
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
 COHERE_MAX_TOKENS_PER_DOC = 4096
+# Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
+# and Retry-After counts whole seconds.
+RETRY_AFTER_S = 1
 
 # Fields each endpoint takes. SCORE_FIELDS adds `labels` (label strings, as Scorer.score takes
 # them) to SGLang's fields; the rerank endpoints add `instruction` and `max_tokens_per_doc`.
@@ -392,9 +394,8 @@ class Service:
             except ValidationError as e:
                 response = ApiError(400, e.code, str(e), e.param).response()
             except Overloaded as e:
-                retry = str(max(1, math.ceil(getattr(e, "retry_after_s", 1) or 1)))
-                response = ApiError(503, "overloaded", str(e), headers={"Retry-After": retry})
-                response = response.response()
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
+                response = ApiError(503, "overloaded", str(e), headers=headers).response()
             except Exception as e:  # noqa: BLE001 (a bug answers 500; the server stays up)
                 logger.exception("%s %s failed", request.method, request.url.path)
                 message = f"internal error ({type(e).__name__}); the server log has the details"
