@@ -103,7 +103,7 @@ class Row:
 
 
 def prefill_extend_flops(
-    cfg: ModelConfig, query_len: int, item_lens: list[int], num_labels: int
+    config: ModelConfig, query_len: int, item_lens: list[int], num_labels: int
 ) -> int:
     """Matmul FLOPs (2 per multiply-add) of the useful work: the query's tokens once, then each
     item's tokens against the query's K/V and its own, and the LM head at each item's last token.
@@ -111,8 +111,8 @@ def prefill_extend_flops(
     num_labels does not enter: the log-softmax needs all V logits whatever the label count.
     """
     del num_labels
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
     per_token = 2 * D * (N * H + 2 * K * H) + 2 * N * H * D + 3 * 2 * D * F  # qkv, o, MLP
     per_key = 2 * 2 * N * H  # q.k and p.v for one query token against one key
 
@@ -121,7 +121,9 @@ def prefill_extend_flops(
 
     tokens = query_len + sum(item_lens)
     attended = keys(0, query_len) + sum(keys(query_len, n) for n in item_lens)
-    return cfg.num_layers * (tokens * per_token + attended * per_key) + 2 * D * V * len(item_lens)
+    return config.num_layers * (tokens * per_token + attended * per_key) + 2 * D * V * len(
+        item_lens
+    )
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -385,7 +387,7 @@ def print_table(rows: list[Row], n_items: int, tol: float) -> None:
 
 
 def print_work(
-    cfg: ModelConfig,
+    config: ModelConfig,
     args: argparse.Namespace,
     rows: list[Row],
     start_rates: dict[str, float],
@@ -398,7 +400,7 @@ def print_work(
     if abs(end_rates["JAX"] - start_rates["JAX"]) > 0.2 * start_rates["JAX"]:
         print("NOTE: the matmul rate moved by over 20%: other work on the machine skews timings")
     roofline = max(start_rates["JAX"], end_rates["JAX"])
-    flops = prefill_extend_flops(cfg, args.query_len, [args.item_len] * args.items, args.labels)
+    flops = prefill_extend_flops(config, args.query_len, [args.item_len] * args.items, args.labels)
     print(
         f"prefill_extend useful work: {flops / 1e9:.1f} GFLOP; at the JAX matmul rate "
         f"({roofline:.0f} GFLOP/s) at least {flops / roofline / 1e9:.2f} s for {args.items} items"
@@ -464,13 +466,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_geometry(scorer: Scorer, model: torch.nn.Module | None, args: argparse.Namespace) -> None:
     print_geometry(args)
-    cfg = scorer.config
-    args.vocab_size = cfg.vocab_size
+    config = scorer.config
+    args.vocab_size = config.vocab_size
     rng = np.random.default_rng(args.seed)
     request = Request(
-        query=random_ids(rng, args.query_len, cfg.vocab_size),
-        items=[random_ids(rng, args.item_len, cfg.vocab_size) for _ in range(args.items)],
-        labels=random_ids(rng, args.labels, cfg.vocab_size),
+        query=random_ids(rng, args.query_len, config.vocab_size),
+        items=[random_ids(rng, args.item_len, config.vocab_size) for _ in range(args.items)],
+        labels=random_ids(rng, args.labels, config.vocab_size),
     )
 
     peers = tpuscore_peers(scorer, args)
@@ -484,7 +486,7 @@ def run_geometry(scorer: Scorer, model: torch.nn.Module | None, args: argparse.N
     rows = run_peers(peers, request, args)
     print_table(rows, args.items, PARITY_TOL[args.dtype])
     end_rates = matmul_rates(args.matmul_size, args.dtype, args.repeats)
-    print_work(cfg, args, rows, start_rates, end_rates)
+    print_work(config, args, rows, start_rates, end_rates)
 
 
 if __name__ == "__main__":

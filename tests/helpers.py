@@ -6,7 +6,10 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def compile_events() -> list[str]:
-    """Clear JAX's caches and return a list that grows by one entry per XLA compilation."""
+    """Clear JAX's caches and return a list that grows by one entry per XLA compilation.
+
+    The event times `compile_or_get_cached`: with JAX's persistent compilation cache on, a load
+    from it counts too (tests/test_warm_start.py tells the two apart)."""
     import jax
     from jax import monitoring
 

@@ -4,7 +4,8 @@ import pytest
 
 from helpers import compile_events, random_tokens
 from tpuscore.backends import serial
-from tpuscore.batching import MIN_LABEL_BUCKET, MIN_TOKEN_BUCKET, bucket_count, bucket_tokens
+from tpuscore.backends.contract import make_batch
+from tpuscore.buckets import MIN_LABEL_BUCKET, MIN_TOKEN_BUCKET, bucket_count, bucket_tokens
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 24, 25, 100, 3000])
@@ -19,7 +20,7 @@ def test_count_buckets_are_powers_of_two():
     assert bucket_count(2, minimum=16) == 16
 
 
-def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
+def test_request_stream_compiles_once_per_bucket(scorers, rng):
     scorer = scorers("qwen3_qknorm")
     vocab = scorer.config.vocab_size
     requests = []
@@ -31,19 +32,13 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
         labels = random_tokens(rng, int(rng.integers(1, 7)), vocab)
         requests.append((query, items, labels))
 
-    shapes = []
-    original = serial.score_sequences
-
-    def recording(params, tokens, lengths, label_ids, cfg):
-        shapes.append((tokens.shape, label_ids.shape))
-        return original(params, tokens, lengths, label_ids, cfg=cfg)
-
-    monkeypatch.setattr(serial, "score_sequences", recording)
+    runner = scorer.get_backend("serial")
     compiles = compile_events()
+    shapes = []
     for query, items, labels in requests:
-        scorer.score(query, items, labels, backend="serial")
+        shapes += runner.score(make_batch(query, items, labels, False)).stats.shapes
     first_pass = len(compiles)
-    distinct = set(shapes)
+    distinct = {shape for _, shape in shapes}
     # Each distinct bucket shape compiles once, however many requests hit it ...
     assert first_pass == len(distinct)
     # ... and every shape is a bucket, so the count has a bound that no request stream can pass.
@@ -52,7 +47,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch):
     row_buckets = {bucket_count(n) for n in range(1, serial.MAX_ROWS + 1)}
     label_buckets = {bucket_count(n, MIN_LABEL_BUCKET) for n in range(1, 7)}
     assert len(label_buckets) == 1
-    for (rows, length), (labels,) in distinct:
+    for rows, length, labels in distinct:
         assert length in token_buckets and rows in row_buckets and labels in label_buckets
     assert first_pass <= len(token_buckets) * len(row_buckets) * len(label_buckets)
     for query, items, labels in requests:  # the same stream again compiles nothing

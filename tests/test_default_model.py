@@ -16,6 +16,12 @@ def scorer(default_model_path):
     return Scorer.from_pretrained(dtype="float32")
 
 
+def test_its_config_is_the_one_the_lowering_test_lowers(scorer):
+    from test_lowering import SMOLLM2_135M
+
+    assert scorer.config == SMOLLM2_135M
+
+
 def test_capital_of_france(scorer, hf_default_model):
     result = scorer.score("The capital of France is", [""], labels=[" Paris", " London"])
     query = scorer.tokenizer.encode("The capital of France is").ids

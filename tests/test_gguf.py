@@ -103,22 +103,22 @@ def _tokenizer_metadata(pre: str, add_bos: bool) -> dict:
     }
 
 
-def _model_metadata(cfg, arch: str) -> dict:
+def _model_metadata(config, arch: str) -> dict:
     """What convert_hf_to_gguf.py writes for this config (key_length only when it is explicit)."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     meta = {
         "general.architecture": arch,
-        f"{arch}.block_count": cfg.num_hidden_layers,
-        f"{arch}.context_length": cfg.max_position_embeddings,
-        f"{arch}.embedding_length": cfg.hidden_size,
-        f"{arch}.feed_forward_length": cfg.intermediate_size,
-        f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        f"{arch}.vocab_size": cfg.vocab_size,
+        f"{arch}.block_count": config.num_hidden_layers,
+        f"{arch}.context_length": config.max_position_embeddings,
+        f"{arch}.embedding_length": config.hidden_size,
+        f"{arch}.feed_forward_length": config.intermediate_size,
+        f"{arch}.attention.head_count": config.num_attention_heads,
+        f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+        f"{arch}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        f"{arch}.vocab_size": config.vocab_size,
     }
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if head_dim != config.hidden_size // config.num_attention_heads:
         meta[f"{arch}.attention.key_length"] = head_dim
         meta[f"{arch}.attention.value_length"] = head_dim
     return meta
@@ -132,19 +132,19 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
-    cfg = model.config
+    config = model.config
     names = gguf.get_tensor_name_map(
-        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers
     )
     out = {}
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         value = t.numpy()
         if arch == "llama" and ".q_proj." in name:
-            value = _llama_cpp_permute(value, cfg.num_attention_heads)
+            value = _llama_cpp_permute(value, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
-            value = _llama_cpp_permute(value, cfg.num_key_value_heads)
+            value = _llama_cpp_permute(value, config.num_key_value_heads)
         out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = value
     return out
 
@@ -201,11 +201,11 @@ def _tiny_model(family: str):
     config_class, extra, _, _ = CASES[family]
     extra = dict(extra)
     theta = extra.pop("rope_theta", 1e4)
-    cfg = config_class(
+    config = config_class(
         **TINY, **extra, rope_parameters={"rope_type": "default", "rope_theta": theta}
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()  # norms and biases too, so no tensor is trivially ones or zeros

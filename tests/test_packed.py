@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from helpers import compile_events, random_tokens
-from tpuscore import Scorer, ValidationError, packing
-from tpuscore.backends import packed
-from tpuscore.batching import MIN_LABEL_BUCKET, bucket_count, make_batch
+from tpuscore import Scorer, ValidationError, costs, packing
+from tpuscore.backends.contract import make_batch
+from tpuscore.buckets import MIN_LABEL_BUCKET, bucket_count
 
 PACKED = ("packed_dense", "packed_segment")
 ATOL = 1e-4  # float32
@@ -60,22 +60,22 @@ def test_equals_serial_with_an_empty_query(scorers, rng, backend):
 
 
 @pytest.mark.parametrize("backend", PACKED)
-def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend, caplog):
+def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend):
     base = scorers("llama_gqa_untied")
     vocab = base.config.vocab_size
     query = random_tokens(rng, 40, vocab)
     items = _items(rng, 30, vocab)
     serial = base.score(query, items, [1, 2], backend="serial").logprobs
-    cls = packed.PackedSegmentBackend if backend == "packed_segment" else packed.PackedDenseBackend
-    budget = cls(base.config, base.params).memory_bytes(256)  # room for ~256 packed tokens
+    dense = backend == "packed_dense"
+    budget = costs.packed_bytes(base.config, 256, dense_mask=dense)  # room for ~256 tokens
     options = {backend: {"activation_bytes": budget}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
-    with caplog.at_level("DEBUG", logger=packed.__name__):
-        got = scorer.score(query, items, [1, 2], backend=backend)
+    got = scorer.score(query, items, [1, 2], backend=backend)
     np.testing.assert_allclose(got.logprobs, serial, atol=ATOL, rtol=0)
-    chunks = int(caplog.messages[0].split(" in ")[1].split()[0])
-    assert chunks > 1
-    assert got.num_tokens == chunks * len(query) + sum(map(len, items))
+    stats = scorer.get_backend(backend).score(make_batch(query, items, [1, 2], False)).stats
+    assert stats.chunks == stats.steps > 1
+    assert all(length <= 256 for _, (_, length, _, _) in stats.shapes)
+    assert got.num_tokens == stats.tokens == stats.chunks * len(query) + sum(map(len, items))
 
 
 @pytest.mark.parametrize("backend", PACKED)
@@ -106,14 +106,16 @@ def test_item_first_is_refused(scorers, backend):
 
 def test_block_sizes_option_is_validated(scorers):
     scorer = scorers("qwen2_bias")
-    for bad, error in (({"block_q": 7}, ValueError), ("big", TypeError)):
+    for bad in ({"block_q": 7}, {"block_z": 8}, "big"):
         options = {"packed_segment": {"block_sizes": bad}}
-        with pytest.raises(error):
+        with pytest.raises(ValidationError) as err:
             Scorer(scorer.config, scorer.params, scorer.tokenizer, backend_options=options)
+        assert err.value.code == "invalid_backend_option"
+        assert err.value.param == "backend_options.packed_segment.block_sizes"
 
 
 @pytest.mark.parametrize("backend", PACKED)
-def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch, backend):
+def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     scorer = scorers("llama3_rope_tied")
     vocab = scorer.config.vocab_size
     requests = []
@@ -123,26 +125,21 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, monkeypatch, back
         labels = random_tokens(rng, int(rng.integers(1, 7)), vocab)
         requests.append((query, items, labels))
 
-    shapes = []
-    original = packed.score_packed
-
-    def recording(params, tokens, *args, **kwargs):
-        shapes.append((tokens.shape, args[3].shape, args[4].shape))  # tokens, items, labels
-        return original(params, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(packed, "score_packed", recording)
+    runner = scorer.get_backend(backend)
     compiles = compile_events()
+    shapes = []
     for query, items, labels in requests:
-        scorer.score(query, items, labels, backend=backend)
+        shapes += runner.score(make_batch(query, items, labels, False)).stats.shapes
     first_pass = len(compiles)
-    distinct = set(shapes)
+    distinct = {shape for _, shape in shapes}
     assert first_pass == len(distinct)  # each bucket shape compiles once
     bucket = scorer.get_backend(backend).bucket
     longest = max(len(q) + sum(map(len, items)) for q, items, _ in requests)
     token_buckets = {bucket(n) for n in range(1, longest + 1)}
     item_buckets = {bucket_count(n) for n in range(1, 41)}
     label_buckets = {bucket_count(n, MIN_LABEL_BUCKET) for n in range(1, 7)}
-    for (length,), (items,), (labels,) in distinct:
+    for rows, length, items, labels in distinct:
+        assert rows == 1  # one request at a time, each one chunk: one packed row per step
         assert length in token_buckets and items in item_buckets and labels in label_buckets
     assert first_pass <= len(token_buckets) * len(item_buckets) * len(label_buckets)
     print(

@@ -5,6 +5,7 @@ import pytest
 
 from helpers import random_tokens
 from tpuscore import Scorer, ValidationError
+from tpuscore.backends.contract import make_batch
 from tpuscore.backends.prefill_extend import bucket_item_tokens
 
 ATOL = 1e-4  # float32
@@ -41,16 +42,17 @@ def test_equals_serial_for_the_shortest_queries(case, scorers, rng, query_len):
     np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
 
-def test_a_query_longer_than_one_prefill_chunk(scorers, rng, monkeypatch):
-    from tpuscore.backends import prefill_extend
-
-    monkeypatch.setattr(prefill_extend, "PREFILL_CHUNK", 64)  # 150 tokens: three chunks
-    scorer = scorers("llama3_rope_tied")
-    scorer = Scorer(scorer.config, scorer.params, scorer.tokenizer)  # a fresh, empty cache
+def test_a_query_longer_than_one_prefill_chunk(scorers, rng):
+    base = scorers("llama3_rope_tied")
+    options = {"prefill_extend": {"prefill_chunk": 64}}  # 150 tokens: three chunks
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
     vocab = scorer.config.vocab_size
     query = random_tokens(rng, 150, vocab)
     items = _items(rng, 5, vocab)
     serial = scorer.score(query, items, [3, 4], backend="serial")
+    batch = make_batch(query, items, [3, 4], item_first=False)
+    stats = scorer.get_backend("prefill_extend").score(batch).stats
+    assert [name for name, _ in stats.shapes].count("prefill") == 3
     fast = scorer.score(query, items, [3, 4], backend="prefill_extend")
     np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
@@ -92,14 +94,25 @@ def test_item_first_is_refused(scorers):
 
 def test_bad_options_fail_when_the_scorer_is_built(scorers):
     base = scorers("qwen3_qknorm")
-    for options, error in [
-        ({"prefill_extend": {"batch_items": 0}}, ValueError),
-        ({"prefill_extend": {"prefix_cache_bytes": -1}}, ValueError),
-        ({"prefill_extend": {"no_such_option": 1}}, TypeError),
-        ({"no_such_backend": {}}, ValueError),
+    for options, code, param in [
+        ({"batch_items": 0}, "invalid_backend_option", "batch_items"),
+        ({"batch_items": True}, "invalid_backend_option", "batch_items"),
+        ({"prefix_cache_bytes": -1}, "invalid_backend_option", "prefix_cache_bytes"),
+        ({"prefill_chunk": 2.5}, "invalid_backend_option", "prefill_chunk"),
+        ({"no_such_option": 1}, "invalid_backend_option", "no_such_option"),
     ]:
-        with pytest.raises(error):
-            Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+        with pytest.raises(ValidationError) as err:
+            Scorer(
+                base.config,
+                base.params,
+                base.tokenizer,
+                backend_options={"prefill_extend": options},
+            )
+        assert err.value.code == code
+        assert err.value.param == f"backend_options.prefill_extend.{param}"
+    with pytest.raises(ValidationError) as err:
+        Scorer(base.config, base.params, base.tokenizer, backend_options={"no_such_backend": {}})
+    assert err.value.code == "unknown_backend"
 
 
 def test_item_length_buckets_hold_their_items():

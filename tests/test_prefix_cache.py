@@ -144,3 +144,16 @@ def test_threads_get_exactly_their_sequential_results(scorers, rng, budget_entri
             for future, expected in zip(futures, sequential, strict=True):
                 np.testing.assert_array_equal(future.result().logprobs, expected)
     assert _cache(scorer).bytes <= budget
+
+
+def test_peek_reports_the_reusable_prefix_without_touching_stats_or_lru_order():
+    cache = PrefixCache(budget_bytes=30)
+    cache.put(np.array([1, 2, 3]), "a", 10)
+    cache.put(np.array([7, 8]), "b", 10)
+    assert cache.peek(np.array([1, 2, 3])) == 3  # exact
+    assert cache.peek(np.array([1, 2, 9, 9])) == 2  # longest common prefix
+    assert cache.peek(np.array([5])) == 0
+    assert (cache.hits, cache.partial_hits, cache.misses) == (0, 0, 0)
+    cache.put(np.array([4]), "c", 10)
+    cache.put(np.array([5]), "d", 10)  # evicts the least recently used: [1, 2, 3], unmoved by peek
+    assert cache.peek(np.array([1, 2, 3])) == 0 and cache.peek(np.array([7, 8])) == 2

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from helpers import random_tokens
-from tpuscore import Scorer, ValidationError
+from tpuscore import Scorer, ValidationError, backends
 
 
 def test_results_equal_scoring_each_request_alone(scorers, rng):
@@ -73,11 +73,11 @@ def test_serial_token_counts_split_exactly(scorers, rng):
             "requests[1].items[0]",
         ),
         ({"query": [1], "items": [[2]]}, "empty_label_token_ids", "requests[1].label_token_ids"),
-        ({"query": [1], "label_token_ids": [1]}, "invalid_argument", "requests[1]"),
+        ({"query": [1], "label_token_ids": [1]}, "invalid_argument", "requests[1].items"),
         (
             {"query": [1], "items": [[2]], "label_token_ids": [1], "colour": 1},
             "invalid_argument",
-            "requests[1]",
+            "requests[1].colour",
         ),
         (([1], [[2]], [1]), "invalid_argument", "requests[1]"),
     ],
@@ -96,3 +96,18 @@ def test_an_unknown_backend_is_refused(scorers):
         scorers("qwen3_qknorm").score_batch([], backend="nope")
     assert err.value.code == "unknown_backend"
     assert scorers("qwen3_qknorm").score_batch([]) == []
+
+
+def test_an_internal_type_error_is_not_relabelled(scorers):
+    class Broken:
+        def __init__(self, model, options):
+            pass
+
+        def score(self, batch):
+            raise TypeError("a bug inside a backend")
+
+    backends.register("broken", Broken)
+    with pytest.raises(TypeError, match="a bug inside a backend"):
+        scorers("qwen3_qknorm").score_batch(
+            [{"query": [1], "items": [[2]], "label_token_ids": [3]}], backend="broken"
+        )

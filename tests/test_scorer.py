@@ -1,5 +1,6 @@
 """Facade behaviour: result semantics, labels, registry, determinism, serial == reference."""
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -9,7 +10,9 @@ import pytest
 import scipy.special
 
 from helpers import random_tokens
-from tpuscore import Scorer, ScoreResult, backends
+from tpuscore import Scorer, ScoreResult, ValidationError, backends
+from tpuscore.backends import BackendOutput
+from tpuscore.backends.reference import last_token_logprobs
 from tpuscore.backends.serial import SerialBackend
 
 
@@ -92,32 +95,63 @@ def test_an_item_scores_the_same_alone_and_in_a_crowd(scorers, rng):
         np.testing.assert_allclose(alone[0], together[i], atol=1e-5, rtol=0)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaledOptions:
+    factor: float = 1.0
+
+
+class Scaled:
+    """A user backend on the documented contract: the reference's scores times a factor."""
+
+    def __init__(self, model, options: ScaledOptions):
+        self.config, self.factor = model.config, options.factor
+        self.params = jax.tree.map(np.asarray, model.params)  # numpy code wants host arrays
+        self.batches = []
+
+    def score(self, batch):
+        self.batches.append(batch.num_items)
+        out = BackendOutput.for_batch(batch)
+        for i in range(batch.num_items):
+            sequence = batch.sequence(i)
+            full = last_token_logprobs(self.config, self.params, sequence)
+            out.step("scaled", sequence.shape, len(sequence))
+            out.scores([i], self.factor * full[None, batch.label_ids])
+        return out.build()
+
+
 def test_a_user_backend_is_registered_and_selected(scorers):
-    seen = []
-
-    class Doubling(SerialBackend):
-        def score(self, batch):
-            seen.append(batch.num_items)
-            out = super().score(batch)
-            return type(out)(out.logprobs * 2, out.valid, out.num_tokens)
-
-    backends.register("doubling", Doubling)
-    assert "doubling" in backends.available()
+    backends.register("scaled", Scaled, options=ScaledOptions, item_first=False)
+    assert "scaled" in backends.available()
     assert {"serial", "reference"} <= set(backends.available())
-    scorer = scorers("qwen3_qknorm")
-    base = scorer.score([1, 2], [[3], [4, 5]], [6], backend="serial")
-    mine = scorer.score([1, 2], [[3], [4, 5]], [6], backend="doubling")
-    assert mine.backend == "doubling" and seen == [2]
-    np.testing.assert_array_equal(mine.logprobs, base.logprobs * 2)
+    base = scorers("qwen3_qknorm")
+    options = {"scaled": {"factor": 2.0}}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    expected = scorer.score([1, 2], [[3], [4, 5]], [6, 7], backend="reference")
+    mine = scorer.score([1, 2], [[3], [4, 5]], [6, 7], backend="scaled")
+    assert mine.backend == "scaled" and scorer.get_backend("scaled").batches == [2]
+    assert mine.num_tokens == expected.num_tokens == 2 * 2 + 3
+    np.testing.assert_allclose(mine.logprobs, 2 * expected.logprobs, rtol=1e-6)
+    with pytest.raises(ValidationError) as err:  # declared at registration: no items first
+        scorer.score([1, 2], [[3]], [6], item_first=True, backend="scaled")
+    assert err.value.code == "unsupported_option"
+    with pytest.raises(ValidationError) as err:
+        Scorer(base.config, base.params, base.tokenizer, backend_options={"scaled": {"f": 2}})
+    assert err.value.code == "invalid_backend_option"
+    assert err.value.param == "backend_options.scaled.f"
 
 
-def test_register_rejects_bad_names_and_factories():
+def test_register_rejects_bad_names_factories_and_capabilities():
     with pytest.raises(ValueError):
         backends.register("auto", SerialBackend)
     with pytest.raises(ValueError):
         backends.register("", SerialBackend)
     with pytest.raises(TypeError):
         backends.register("x", "not callable")
+    with pytest.raises(ValueError):
+        backends.register("x", SerialBackend, options=dict)
+    with pytest.raises(ValueError):
+        backends.register("x", SerialBackend, compiled_on={"cuda"})
+    assert "x" not in backends.available()
 
 
 def test_bfloat16_scores_track_float32(scorers, rng):

@@ -5,22 +5,29 @@
 >>> result.logprobs  # [n_items, n_labels]: log P(label | query + item)
 """
 
-from tpuscore import backends
+from tpuscore import backends, templates
+from tpuscore.errors import ValidationError
+from tpuscore.loglikelihood import LoglikelihoodResult
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
 from tpuscore.models.default import DefaultModelMissingError
 from tpuscore.models.weights import CheckpointMismatchError
+from tpuscore.ranking import RankedItem
 from tpuscore.results import ScoreResult
 from tpuscore.scorer import Scorer
-from tpuscore.validation import ValidationError
+from tpuscore.templates import Template
 
 __all__ = [
     "CheckpointMismatchError",
     "DefaultModelMissingError",
+    "LoglikelihoodResult",
     "ModelConfig",
+    "RankedItem",
     "ScoreResult",
     "Scorer",
+    "Template",
     "UnsupportedModelError",
     "ValidationError",
     "backends",
+    "templates",
 ]
 __version__ = "0.1.0"

@@ -12,55 +12,60 @@ itself only, so it is scored on exactly the tokens serial scoring sees. Query [q
     scored at   a: 3, the empty item: 1 (the query's last token), b: 4
 
 Padding rows are segments of their own, so every row has a key to attend to.
+
+Several packed sequences, each with its own query, go in the batch axis (`stack`): one per row,
+with `prefix_len` and `seg_start` per row. Padding rows are all padding: prefix_len 0 and each
+token a segment of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
 
-from tpuscore.batching import ScoreBatch, bucket_count
+from tpuscore.backends.contract import ScoreBatch
+from tpuscore.buckets import bucket_count
 
 
 @attrs.frozen
 class PackedChunk:
     """One packed sequence: tokens, positions and seg_start [T]; score_index [I] (the position
-    whose next token is scored, per item, padded with 0); items: which batch rows it scores."""
+    whose next token is scored, per item, padded with 0); rows: which batch rows it scores."""
 
     tokens: np.ndarray
     positions: np.ndarray
     seg_start: np.ndarray
     prefix_len: int
     score_index: np.ndarray
-    items: np.ndarray
+    rows: np.ndarray
 
 
-def pack(batch: ScoreBatch, items: np.ndarray, length: int) -> PackedChunk:
-    """Pack the query and the batch rows `items` into `length` tokens (at least as many as they
-    hold), scoring bucket_count(len(items)) positions."""
+def pack(batch: ScoreBatch, rows: np.ndarray, length: int) -> PackedChunk:
+    """Pack the query and the batch rows `rows` into `length` tokens (at least as many as they
+    hold), scoring bucket_count(len(rows)) positions."""
     Q = batch.query_len
     tokens = np.zeros(length, np.int32)
     positions = np.zeros(length, np.int32)
     seg_start = np.arange(length, dtype=np.int32)  # padding: a segment of its own
     tokens[:Q], positions[:Q], seg_start[:Q] = batch.query[:Q], np.arange(Q), 0
-    score_index = np.zeros(bucket_count(len(items)), np.int32)
+    score_index = np.zeros(bucket_count(len(rows)), np.int32)
     start = Q
-    for row, i in enumerate(items):
+    for slot, i in enumerate(rows):
         n = int(batch.item_lens[i])
         end = start + n
         tokens[start:end] = batch.items[i, :n]
         positions[start:end] = Q + np.arange(n)
         seg_start[start:end] = start
-        score_index[row] = end - 1 if n else Q - 1
+        score_index[slot] = end - 1 if n else Q - 1
         start = end
-    return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(items))
+    return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(rows))
 
 
 def plan(batch: ScoreBatch, max_tokens: int) -> Iterator[np.ndarray]:
     """Split the batch's items, in order, into chunks of at most max_tokens query + item tokens
-    (item rows per chunk). An item too long to share a chunk gets one of its own."""
+    (batch rows per chunk). An item too long to share a chunk gets one of its own."""
     Q, lens = batch.query_len, batch.item_lens[: batch.num_items]
     start, used = 0, Q
     for i, n in enumerate(lens):
@@ -70,3 +75,32 @@ def plan(batch: ScoreBatch, max_tokens: int) -> Iterator[np.ndarray]:
         used += int(n)
     if start < len(lens):
         yield np.arange(start, len(lens))
+
+
+@attrs.frozen
+class PackedRows:
+    """Packed sequences in the batch axis: tokens, positions, seg_start [B, T]; prefix_len [B];
+    score_index [B, I] (padded with 0). Rows past the chunks given are padding."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seg_start: np.ndarray
+    prefix_len: np.ndarray
+    score_index: np.ndarray
+
+
+def stack(chunks: Sequence[PackedChunk], rows: int) -> PackedRows:
+    """The chunks (all of one length T) as the first rows of `rows` packed rows, scoring as many
+    positions per row as the chunk that scores the most."""
+    T = len(chunks[0].tokens)
+    slots = max(len(c.score_index) for c in chunks)
+    tokens = np.zeros((rows, T), np.int32)
+    positions = np.zeros((rows, T), np.int32)
+    seg_start = np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()
+    prefix_len = np.zeros(rows, np.int32)
+    score_index = np.zeros((rows, slots), np.int32)
+    for r, chunk in enumerate(chunks):
+        tokens[r], positions[r], seg_start[r] = chunk.tokens, chunk.positions, chunk.seg_start
+        prefix_len[r] = chunk.prefix_len
+        score_index[r, : len(chunk.score_index)] = chunk.score_index
+    return PackedRows(tokens, positions, seg_start, prefix_len, score_index)

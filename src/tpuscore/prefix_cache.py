@@ -51,6 +51,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def peek(self, tokens: np.ndarray) -> int:
+        """How many leading tokens of `tokens` a lookup would reuse (len(tokens) on an exact hit, 0
+        on a miss), without counting a hit or a miss or touching the LRU order: a read-only probe
+        for planning."""
+        tokens = np.asarray(tokens, np.int32)
+        with self._lock:
+            if tokens.tobytes() in self._entries:
+                return len(tokens)
+            return max((_common_prefix(c, tokens) for c, _, _ in self._entries.values()), default=0)
+
     def lookup(self, tokens: np.ndarray) -> Reuse | None:
         """The cached entry with the longest common prefix with tokens, or None."""
         tokens = np.asarray(tokens, np.int32)

@@ -17,14 +17,25 @@ def _read_only_float32(logprobs) -> np.ndarray:
 class ScoreResult:
     """Scores for every item x label.
 
-    logprobs: log P(label | sequence) over the full vocabulary, read-only float32 [items, labels].
-    backend: the backend that ran. num_tokens: token positions processed (usage accounting).
+    Attributes:
+        logprobs: log P(label | sequence) over the full vocabulary, read-only float32
+            [items, labels].
+        backend: the backend that ran ("none" when there were no items).
+        num_tokens: token positions processed, for usage accounting; a request scored with
+            others that share its query gets its own item tokens plus a share of the query's.
+        apply_softmax: which of `label_probs` and `probs` is `scores`.
+        probs, label_probs, scores: derived below.
     """
 
     logprobs: np.ndarray = attrs.field(converter=_read_only_float32)
     backend: str
     num_tokens: int
     apply_softmax: bool = False
+
+    @classmethod
+    def empty(cls, num_labels: int, apply_softmax: bool) -> ScoreResult:
+        """The result for no items: shape [0, num_labels], from no backend."""
+        return cls(np.zeros((0, num_labels)), "none", 0, apply_softmax)
 
     @property
     def probs(self) -> np.ndarray:

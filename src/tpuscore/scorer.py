@@ -1,40 +1,27 @@
-"""The `Scorer` facade: validate, pick a backend, run it, post-process."""
+"""The `Scorer` facade: load, validate, plan, run, return."""
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import tokenizers
 
-from tpuscore import backends
+from tpuscore import compilation_cache, loglikelihood, planning, progress, ranking, validation
 from tpuscore.backends import registry
-from tpuscore.batching import make_batch
+from tpuscore.backends.pool import BackendPool
+from tpuscore.loglikelihood import LoglikelihoodResult
 from tpuscore.models import checkpoint, loading
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
+from tpuscore.ranking import RankedItem
 from tpuscore.results import ScoreResult
-from tpuscore.validation import ScoreRequest, ValidationError, validate
-
-logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype: Any) -> np.dtype:
-    """float32 on CPU, bfloat16 on accelerators, unless asked: "float32" or "bfloat16"."""
-    if dtype is None:
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return np.dtype(DTYPES[name])
+from tpuscore.templates import Template
+from tpuscore.validation import ScoreRequest, ValidationError
+from tpuscore.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 
 
 class Scorer:
@@ -42,9 +29,6 @@ class Scorer:
 
     Build one with `Scorer.from_pretrained(...)` and reuse it: it holds the weights on device and
     its backends keep their compiled shapes and caches. Safe to call from several threads.
-
-    backend_options maps a backend name to its constructor options, for example
-    `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
     """
 
     def __init__(
@@ -56,19 +40,28 @@ class Scorer:
         dtype: Any = None,
         backend: str = registry.AUTO,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        selector: planning.Selector | None = None,
     ):
-        self.config = config
+        """Args: as `from_pretrained`, with the model given as its config, parameters (a tree as
+        `models/weights.py` describes) and tokenizer (None: token-id inputs only). selector: what
+        "auto" runs for a group of requests (default `planning.FixedRule()`)."""
+        self.model = Model.build(config, params, dtype)
         self.tokenizer = tokenizer
-        self.dtype = resolve_dtype(dtype)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
         self.default_backend = backend
-        self.backend_options = {name: dict(opts) for name, opts in (backend_options or {}).items()}
-        self._backends: dict[str, backends.Backend] = {}
-        self._lock = threading.Lock()
-        for name in self.backend_options:  # bad names or options fail here, not mid-request
-            if name not in registry.available():
-                raise ValueError(f"backend_options names unknown backend {name!r}")
-            self.get_backend(name)
+        self.selector = selector or planning.FixedRule()
+        self.backends = BackendPool(self.model, backend_options)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def params(self) -> Params:
+        return self.model.params
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.model.dtype
 
     @classmethod
     def from_pretrained(
@@ -81,9 +74,32 @@ class Scorer:
         revision: str | None = None,
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        compilation_cache_dir: str | os.PathLike | None = None,
     ) -> Scorer:
-        """Load a model: a Hugging Face directory or hub id, a .gguf file, a directory written by
-        `save`, or None for the embedded default model (SmolLM2-135M-Instruct)."""
+        """Load a model and build a scorer on it.
+
+        Args:
+            model: a Hugging Face directory or hub id, a .gguf file, a directory written by
+                `save`, or None for the embedded default model (SmolLM2-135M-Instruct).
+            dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+            backend: the backend `score` runs when none is named; "auto" lets the scorer pick.
+            backend_options: backend name -> its options, e.g.
+                `{"prefill_extend": {"prefix_cache_bytes": 2**30, "batch_items": 64}}`.
+            revision, local_files_only, cache_dir: passed to `huggingface_hub` for hub ids.
+            compilation_cache_dir: keep compiled executables in this directory, so a restarted
+                process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
+                environment variable; neither: off). Process-wide, as JAX's setting is.
+
+        Returns:
+            A `Scorer` holding the weights on device.
+
+        Raises:
+            ValidationError: unknown backend in backend_options, or a bad option
+                (`unknown_backend`, `invalid_backend_option`).
+            FileNotFoundError, UnsupportedModelError, CheckpointMismatchError: the model cannot
+                be found, is of an unsupported kind, or its tensors do not match its config.
+        """
+        compilation_cache.enable(compilation_cache_dir)
         np_dtype = resolve_dtype(dtype)
         config, params, tokenizer = loading.load(
             model,
@@ -116,55 +132,87 @@ class Scorer:
         labels: list[str] | None = None,
         apply_softmax: bool = False,
         item_first: bool = False,
+        item_suffix: str | list[int] | None = None,
+        max_item_tokens: int | None = None,
+        truncate: str = "right",
         backend: str | None = None,
     ) -> ScoreResult:
         """log P(label | query + item) at the next-token position after each item.
 
-        query and items are text or token ids (the same kind). Give labels as token ids or as
-        strings that encode to single tokens. Text queries get the tokenizer's special tokens,
-        items none; see `tpuscore.tokenization` for why the pieces are tokenized separately.
+        Text queries get the tokenizer's special tokens, items none; see
+        `tpuscore.tokenization` for why the pieces are tokenized separately.
+
+        Args:
+            query: text, or token ids.
+            items: texts, or token-id lists (the same kind as query). May be empty.
+            label_token_ids: the labels as token ids; or give `labels`.
+            labels: the labels as strings that each encode to exactly one token.
+            apply_softmax: whether `result.scores` is the softmax over the labels (else the
+                model's probabilities over the full vocabulary).
+            item_first: score item + query instead of query + item.
+            item_suffix: text (tokenized once, without special tokens) or token ids appended
+                to every item, such as a reranker's assistant-turn opener.
+            max_item_tokens: truncate each item to this many of its own tokens (the suffix is
+                not counted and never cut); None: a too-long sequence is an error.
+            truncate: "right" keeps an item's first max_item_tokens tokens, "left" its last.
+            backend: a registered backend's name or "auto"; default the scorer's.
+
+        Returns:
+            A `ScoreResult`; `logprobs` is float32 [len(items), n_labels].
+
+        Raises:
+            ValidationError: any bad input, before anything runs; its `code` says which (the
+                README lists them) and `param` names the argument.
         """
-        name = self._backend_name(backend)
-        request = self._validate(
+        request = self.prepare(
             query,
             items,
             label_token_ids,
             labels=labels,
             apply_softmax=apply_softmax,
             item_first=item_first,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
         )
-        return self._run([request], name)[0]
+        return self.run([request], backend=backend)[0]
 
     def score_batch(
-        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        *,
+        backend: str | None = None,
+        show_progress: bool = False,
     ) -> list[ScoreResult]:
-        """Score many requests in one call; results come back in request order.
+        """Score many requests in one call. Requests with the same query, labels and item_first
+        share their query's work; requests with different queries share device steps where the
+        backend can mix them (every built-in one but serial and reference).
 
-        Each request is a mapping of `score`'s arguments: query, items, and label_token_ids or
-        labels, optionally apply_softmax and item_first. Every request is validated before any
-        runs; an error names the request (`param="requests[3].items"`). Requests with the same
-        query, labels and item_first run as one backend call, so their items fill batches
-        together and the query is processed once.
+        Args:
+            requests: mappings of `score`'s arguments (query, items, and label_token_ids or
+                labels; optionally apply_softmax, item_first, item_suffix, max_item_tokens and
+                truncate).
+            backend: as in `score`, for every request.
+            show_progress: show a progress bar (tqdm, on stderr) over the requests.
+
+        Returns:
+            One `ScoreResult` per request, in request order.
+
+        Raises:
+            ValidationError: a bad request, before any runs; `param` names it
+                (`"requests[3].items"`), and an unknown or missing argument is `invalid_argument`.
         """
-        name = self._backend_name(backend)
-        validated = []
+        prepared = []
         for i, request in enumerate(requests):
             where = f"requests[{i}]"
-            if not isinstance(request, Mapping):
-                raise ValidationError(
-                    "invalid_argument",
-                    f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
-                    where,
-                )
+            arguments = validation.batch_request(request, where)
             try:
-                validated.append(self._validate(**request))
+                prepared.append(self.prepare(**arguments))
             except ValidationError as e:
-                raise ValidationError(e.code, f"{where}: {e}", f"{where}.{e.param}") from None
-            except TypeError as e:  # a missing or unknown argument
-                raise ValidationError("invalid_argument", f"{where}: {e}", where) from None
-        return self._run(validated, name)
+                raise e.within(where) from None
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
 
-    # prepare/run: stand-ins for issue 9's public pair on main (the lead keeps main's versions).
     def prepare(
         self,
         query: Any,
@@ -174,54 +222,13 @@ class Scorer:
         labels: Any = None,
         apply_softmax: Any = False,
         item_first: Any = False,
+        item_suffix: Any = None,
+        max_item_tokens: Any = None,
+        truncate: Any = "right",
     ) -> ScoreRequest:
-        """Validate one request (`score`'s arguments but backend), ready for `run`."""
-        return self._validate(
-            query,
-            items,
-            label_token_ids,
-            labels=labels,
-            apply_softmax=apply_softmax,
-            item_first=item_first,
-        )
-
-    def run(
-        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
-    ) -> list[ScoreResult]:
-        """Score requests from `prepare`, one backend call per group that shares a query."""
-        return self._run(list(requests), self._backend_name(backend))
-
-    def get_backend(self, name: str) -> backends.Backend:
-        """The backend instance `name`, built on first use with its `backend_options`; for
-        example `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
-        with self._lock:
-            if name not in self._backends:
-                options = self.backend_options.get(name, {})
-                self._backends[name] = registry.factory(name)(self.config, self.params, **options)
-            return self._backends[name]
-
-    def _backend_name(self, backend: str | None) -> str:
-        name = self.default_backend if backend is None else backend
-        if name != registry.AUTO and name not in registry.available():
-            raise ValidationError(
-                "unknown_backend",
-                f"backend {name!r} is not registered; available: "
-                f"{', '.join([registry.AUTO, *registry.available()])}",
-                "backend",
-            )
-        return name
-
-    def _validate(
-        self,
-        query: Any,
-        items: Any,
-        label_token_ids: Any = None,
-        *,
-        labels: Any = None,
-        apply_softmax: Any = False,
-        item_first: Any = False,
-    ) -> ScoreRequest:
-        return validate(
+        """Validate one request (`score`'s arguments but backend) and turn it into token ids,
+        ready for `run`. Raises ValidationError as `score` does."""
+        return validation.validate(
             query,
             items,
             label_token_ids,
@@ -231,69 +238,158 @@ class Scorer:
             tokenizer=self.tokenizer,
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
         )
 
-    def _run(self, requests: list[ScoreRequest], name: str) -> list[ScoreResult]:
-        """Run validated requests, one backend call per group of requests that share a query,
-        labels and item_first. Requests without items get an empty result from no backend."""
-        results = [
-            ScoreResult(
-                np.zeros((0, len(request.label_ids)), np.float32),
-                backend="none",
-                num_tokens=0,
-                apply_softmax=request.apply_softmax,
-            )
-            for request in requests
-        ]
-        for batch, backend, members in self._groups(requests, name):
-            out = self.get_backend(backend).score(batch)
-            n, c = batch.num_items, batch.num_labels
-            if not out.valid[:n].all():
-                raise RuntimeError(
-                    f"backend {backend!r} left items unscored: {np.flatnonzero(~out.valid[:n])}"
-                )
-            logger.debug("scored %d items x %d labels with %s", n, c, backend)
-            counts = [len(requests[i].items) for i in members]
-            item_tokens = [sum(map(len, requests[i].items)) for i in members]
-            tokens = _share_tokens(out.num_tokens, counts, item_tokens)
-            start = 0
-            for i, count, num_tokens in zip(members, counts, tokens, strict=True):
-                results[i] = ScoreResult(
-                    out.logprobs[start : start + count, :c],
-                    backend=backend,
-                    num_tokens=num_tokens,
-                    apply_softmax=requests[i].apply_softmax,
-                )
-                start += count
+    def run(
+        self,
+        requests: Sequence[ScoreRequest],
+        *,
+        backend: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[ScoreResult]:
+        """Score requests from `prepare`. Requests that share a query, labels and item_first form
+        a group; each backend gets all the groups that picked it in one call, so groups with
+        different queries can share device steps. Every group's backend is checked before any
+        runs. on_progress, if given, is called with the number of requests each backend call
+        completes.
+
+        Raises:
+            ValidationError: an unknown backend, or one that cannot score a request
+                (`unknown_backend`, `unsupported_option`).
+        """
+        name = validation.backend_name(self.default_backend if backend is None else backend)
+        results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
+        planned = planning.plan(requests, name, self.selector, self.model)
+        if on_progress is not None:
+            on_progress(sum(not r.items for r in requests))  # nothing to run for these
+        for chosen, groups in planning.by_backend(planned).items():
+            backend = self.backends.get(chosen)
+            outputs = registry.score_groups(backend, [g.batch for g in groups])
+            for group, output in zip(groups, outputs, strict=True):
+                split = planning.split(output, group, requests, chosen)
+                for i, result in zip(group.members, split, strict=True):
+                    results[i] = result
+            if on_progress is not None:
+                on_progress(sum(len(g.members) for g in groups))
         return results
 
-    def _groups(self, requests: list[ScoreRequest], name: str):
-        """(batch, backend name, member request indices) per group, all checked before any runs."""
-        groups: dict[tuple, list[int]] = {}
-        for i, request in enumerate(requests):
-            if request.items:
-                key = (tuple(request.query), tuple(request.label_ids), request.item_first)
-                groups.setdefault(key, []).append(i)
-        plan = []
-        for (query, label_ids, item_first), members in groups.items():
-            items = [item for i in members for item in requests[i].items]
-            batch = make_batch(query, items, label_ids, item_first)
-            backend = registry.select(batch) if name == registry.AUTO else name
-            if item_first and not getattr(registry.factory(backend), "supports_item_first", True):
-                raise ValidationError(
-                    "unsupported_option",
-                    f"backend {backend!r} runs the query once as a prefix shared by all items, "
-                    "so it cannot put items first; use backend='serial' or 'auto'",
-                    "item_first",
-                )
-            plan.append((batch, backend, members))
-        return plan
+    def rank(
+        self,
+        query: str | list[int],
+        items: list[str] | list[list[int]],
+        *,
+        labels: list[str] | None = None,
+        label_token_ids: list[int] | None = None,
+        positive: int = 0,
+        top_k: int | None = None,
+        template: str | Template | None = None,
+        instruction: str | None = None,
+        item_suffix: str | list[int] | None = None,
+        max_item_tokens: int | None = None,
+        truncate: str = "right",
+        backend: str | None = None,
+        show_progress: bool = False,
+    ) -> list[RankedItem]:
+        """The items sorted by score, highest first; equal scores keep their input order.
 
+        The score is the positive label's probability within the labels: P(yes) / (P(yes) +
+        P(no)) for a yes/no pair. Conventions follow sentence-transformers' CrossEncoder.rank.
 
-def _share_tokens(total: int, counts: list[int], item_tokens: list[int]) -> list[int]:
-    """Split a group's processed tokens between its requests: each its own item tokens, plus the
-    query work in proportion to its item count (the remainder to the first request)."""
-    shared = total - sum(item_tokens)
-    shares = [shared * c // sum(counts) for c in counts]
-    shares[0] += shared - sum(shares)
-    return [t + s for t, s in zip(item_tokens, shares, strict=True)]
+        Args:
+            query, items: as in `score`.
+            labels, label_token_ids: as in `score`, at least two; not with a template.
+            positive: the index of the positive label.
+            top_k: return only the best top_k (default all).
+            template: a `tpuscore.templates` name (e.g. "qwen3-reranker", "plain") or a
+                `Template`: it renders the query and items and supplies the item suffix and
+                the labels.
+            instruction: the template's instruction (default the template's own).
+            item_suffix, max_item_tokens, truncate, backend: as in `score`.
+            show_progress: show a progress bar (tqdm, on stderr) over the items; the items then
+                run in pages of `ranking.PROGRESS_PAGE_ITEMS`.
+
+        Returns:
+            `RankedItem(index, score, item)` per item, best first (item as given, not rendered).
+
+        Raises:
+            ValidationError: as `score`, and `invalid_argument` for a bad positive or top_k, or
+                labels / item_suffix given together with a template; `unknown_template`.
+        """
+        return ranking.rank(
+            self,
+            query,
+            items,
+            labels=labels,
+            label_token_ids=label_token_ids,
+            positive=positive,
+            top_k=top_k,
+            template=template,
+            instruction=instruction,
+            item_suffix=item_suffix,
+            max_item_tokens=max_item_tokens,
+            truncate=truncate,
+            backend=backend,
+            show_progress=show_progress,
+        )
+
+    def loglikelihood(
+        self,
+        context: str | list[int],
+        continuations: list[str] | list[list[int]],
+        *,
+        backend: str | None = None,
+    ) -> list[LoglikelihoodResult]:
+        """log P(continuation | context) for each continuation, with lm-evaluation-harness
+        semantics (`tpuscore.loglikelihood` documents the tokenization).
+
+        Args:
+            context: text (encoded with special tokens) or token ids.
+            continuations: texts (each encoded without special tokens) or token-id lists, the
+                same kind as context; none may be empty.
+            backend: None, "auto" or "prefill_extend", the backend whose prefill and extend
+                steps (and prefix cache) it runs on.
+
+        Returns:
+            One `LoglikelihoodResult(logprob, is_greedy, token_logprobs, num_tokens)` per
+            continuation, in order.
+
+        Raises:
+            ValidationError: bad input (codes as `score`'s, and `empty_continuation`), or a
+                backend that cannot run it (`unsupported_option`).
+        """
+        return loglikelihood.loglikelihood(self, context, continuations, backend=backend)
+
+    def warmup(
+        self,
+        geometries: Sequence[Sequence[int]] | None = None,
+        *,
+        backends: Sequence[str] | None = None,
+    ) -> list[Warmed]:
+        """Compile ahead of time every step that requests of these geometries will meet.
+
+        Args:
+            geometries: (query_tokens, num_items, item_tokens) triples; default
+                `tpuscore.warmup.DEFAULT_GEOMETRIES`, a typical ranking service's.
+            backends: the backends to warm for each; default the one `score` would run.
+
+        Returns:
+            What ran per geometry and backend, with its seconds (also logged at INFO). A
+            geometry already compiled costs its run time only, no compilation.
+
+        Raises:
+            ValidationError: a geometry that is not three ints with num_items > 0
+                (`invalid_geometry`), or one whose requests `score` would refuse (for example
+                `sequence_too_long`), with `param` naming it ("geometries[1]"); checked before
+                any runs. An unknown backend (`unknown_backend`).
+        """
+        names = [validation.backend_name(b) for b in backends or [self.default_backend]]
+        geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
+        return warm(self.backends, self.prepare, self.selector, names, geometries)
+
+    def get_backend(self, name: str) -> registry.Backend:
+        """The backend instance `name`, built on first use with its options; for example
+        `scorer.get_backend("prefill_extend").cache` holds the query K/V cache."""
+        return self.backends.get(name)

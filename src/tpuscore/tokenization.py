@@ -6,7 +6,8 @@ query_tokens with item_first=True). This can differ from tokenizing the concaten
 may merge across the boundary (query "ab" + item "c" can encode as ["a", "bc"] when joined). We
 tokenize the pieces separately on purpose: the query tokens are then the same for every item,
 which is what lets faster backends process the query once and share it, and every backend scores
-exactly the same tokens.
+exactly the same tokens. An item suffix (`item_suffix=`) is tokenized once, on its own, and its
+tokens appended to every item's, for the same reason.
 """
 
 from __future__ import annotations
@@ -23,4 +24,10 @@ def encode_items(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> list[list
 
 
 def encode_label(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def encode_suffix(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    """An item suffix, tokenized once on its own and appended to every item's tokens: the
+    items' tokens then end the same way whatever they hold."""
     return tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,12 +1,15 @@
 """Input validation: every bad request stops here with a `ValidationError`; none reaches a backend.
 
+This is the one boundary for errors a caller can cause: the request itself, the shape of a
+`score_batch` request, the backend's name, its options and whether it supports the request.
 Text is tokenized here too (`tokenization.py`), so the checks that follow (token ranges, empty
 and over-long sequences) see exactly the tokens a backend will.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -15,18 +18,22 @@ import numpy as np
 import tokenizers
 
 from tpuscore import tokenization
+from tpuscore.backends import registry
+from tpuscore.errors import ValidationError
 
-
-class ValidationError(ValueError):
-    """A request the scorer cannot run. `code` is stable; `param` names the offending argument."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-    def __repr__(self) -> str:
-        return f"ValidationError(code={self.code!r}, param={self.param!r}, message={str(self)!r})"
+# The arguments of `Scorer.score` that a `score_batch` request may carry; the first two required.
+SCORE_ARGUMENTS = (
+    "query",
+    "items",
+    "label_token_ids",
+    "labels",
+    "apply_softmax",
+    "item_first",
+    "item_suffix",
+    "max_item_tokens",
+    "truncate",
+)
+TRUNCATE_SIDES = ("right", "left")  # right keeps an item's first tokens, left its last
 
 
 @attrs.frozen
@@ -93,6 +100,7 @@ def _labels(
                 raise ValidationError(
                     "invalid_label_token_ids", f"labels[{j}] must be a str, got {label!r}", "labels"
                 )
+            check_text(label, f"labels[{j}]")
             tokens = tokenization.encode_label(_require(tokenizer, "labels"), label)
             if len(tokens) != 1:
                 raise ValidationError(
@@ -141,10 +149,14 @@ def validate(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    item_suffix: Any = None,
+    max_item_tokens: Any = None,
+    truncate: Any = "right",
 ) -> ScoreRequest:
     """Check a `Scorer.score` call and turn it into token ids."""
     _check_bool(apply_softmax, "apply_softmax")
     _check_bool(item_first, "item_first")
+    _check_truncation(max_item_tokens, truncate)
 
     if isinstance(query, str):
         text = True
@@ -177,16 +189,24 @@ def validate(
                 f"query is {kinds[0]} but items[{i}] is {kinds[1]}; use one kind for both",
                 "items",
             )
+        if item_text:
+            check_text(item, f"items[{i}]")
     label_ids = _labels(label_token_ids, labels, tokenizer, vocab_size)
+    suffix_ids = _item_suffix(item_suffix, tokenizer, vocab_size)
 
     if text:
+        check_text(query, "query")
         tok = _require(tokenizer, "query")
         query = tokenization.encode_query(tok, query)
         items = tokenization.encode_items(tok, list(items))
     # Text ids are checked too: a tokenizer may know more tokens than the model embeds.
     query_ids = _token_ids(query, "query", "invalid_query", vocab_size)
     item_ids = [
-        _token_ids(item, f"items[{i}]", "invalid_items", vocab_size) for i, item in enumerate(items)
+        truncate_item(
+            _token_ids(item, f"items[{i}]", "invalid_items", vocab_size), max_item_tokens, truncate
+        )
+        + suffix_ids
+        for i, item in enumerate(items)
     ]
 
     for i, ids in enumerate(item_ids):
@@ -198,10 +218,246 @@ def validate(
                 "items",
             )
         if length > max_sequence_length:
+            hint = "" if max_item_tokens is not None else "; max_item_tokens= truncates items"
             raise ValidationError(
                 "sequence_too_long",
-                f"query + items[{i}] is {length} tokens ({len(query_ids)} + {len(ids)}); "
-                f"the model takes at most {max_sequence_length}",
+                f"query + items[{i}] is {length} tokens ({len(query_ids)} + {len(ids)}"
+                f"{f', with a {len(suffix_ids)}-token item_suffix' if suffix_ids else ''}); "
+                f"the model takes at most {max_sequence_length}{hint}",
                 "items",
             )
     return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first), bool(apply_softmax))
+
+
+def check_text(value: str, param: str) -> None:
+    """Raise `invalid_text` for a str that is not valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON and Python strings can carry but UTF-8 cannot encode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValidationError(
+            "invalid_text",
+            f"{param} is not valid Unicode text: {e.reason} {value[e.start : e.end]!r} at "
+            f"character {e.start}",
+            param,
+        ) from None
+
+
+def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
+    if max_item_tokens is not None and (
+        isinstance(max_item_tokens, (bool, np.bool_))
+        or not isinstance(max_item_tokens, Integral)
+        or max_item_tokens < 1
+    ):
+        raise ValidationError(
+            "invalid_argument",
+            f"max_item_tokens must be an int >= 1 or None, got {max_item_tokens!r}",
+            "max_item_tokens",
+        )
+    if not isinstance(truncate, str) or truncate not in TRUNCATE_SIDES:
+        raise ValidationError(
+            "invalid_argument",
+            f"truncate must be one of {', '.join(map(repr, TRUNCATE_SIDES))}, got {truncate!r}",
+            "truncate",
+        )
+
+
+def truncate_item(ids: list[int], max_item_tokens: int | None, truncate: str) -> list[int]:
+    """At most max_item_tokens of an item's own tokens (the suffix comes after and is never
+    cut): its first ones with truncate="right", its last ones with "left"."""
+    if max_item_tokens is None or len(ids) <= max_item_tokens:
+        return ids
+    return ids[:max_item_tokens] if truncate == "right" else ids[len(ids) - max_item_tokens :]
+
+
+def _item_suffix(
+    item_suffix: Any, tokenizer: tokenizers.Tokenizer | None, vocab_size: int
+) -> list[int]:
+    """The suffix's token ids: text is tokenized once, without special tokens."""
+    if item_suffix is None:
+        return []
+    if isinstance(item_suffix, str):
+        check_text(item_suffix, "item_suffix")
+        item_suffix = tokenization.encode_suffix(_require(tokenizer, "item_suffix"), item_suffix)
+    elif not _is_token_list(item_suffix):
+        raise ValidationError(
+            "invalid_argument",
+            f"item_suffix must be a str or a list of int token ids, got {item_suffix!r}",
+            "item_suffix",
+        )
+    return _token_ids(item_suffix, "item_suffix", "invalid_argument", vocab_size)
+
+
+@attrs.frozen
+class LoglikelihoodRequest:
+    """A validated `Scorer.loglikelihood` call as token ids: a non-empty context and non-empty
+    continuations."""
+
+    context: list[int]
+    continuations: list[list[int]]
+
+
+def validate_loglikelihood(
+    context: Any,
+    continuations: Any,
+    *,
+    tokenizer: tokenizers.Tokenizer | None,
+    vocab_size: int,
+    max_sequence_length: int,
+) -> LoglikelihoodRequest:
+    """Check a `Scorer.loglikelihood` call and turn it into token ids.
+
+    Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
+    every continuation, then the context is encoded with special tokens and each continuation
+    without (`tpuscore.loglikelihood` says where this differs from the harness).
+    """
+    if isinstance(context, str):
+        text = True
+    elif _is_token_list(context):
+        text = False
+    else:
+        raise ValidationError(
+            "invalid_query",
+            f"context must be a str or a list of int token ids, got {context!r}",
+            "context",
+        )
+    if isinstance(continuations, (str, np.ndarray)) or not isinstance(continuations, Sequence):
+        raise ValidationError(
+            "invalid_items",
+            f"continuations must be a list of str or a list of token-id lists, "
+            f"got {continuations!r}",
+            "continuations",
+        )
+    for i, continuation in enumerate(continuations):
+        param = f"continuations[{i}]"
+        is_text = isinstance(continuation, str)
+        if not is_text and not _is_token_list(continuation):
+            raise ValidationError(
+                "invalid_items",
+                f"{param} must be a str or a list of int token ids, got {continuation!r}",
+                param,
+            )
+        if is_text != text:
+            kinds = ("text", "token ids") if text else ("token ids", "text")
+            raise ValidationError(
+                "mixed_input_types",
+                f"context is {kinds[0]} but {param} is {kinds[1]}; use one kind for both",
+                param,
+            )
+        if is_text:
+            check_text(continuation, param)
+        if len(continuation) == 0:
+            raise ValidationError(
+                "empty_continuation", f"{param} is empty: there is nothing to score", param
+            )
+
+    if text:
+        check_text(context, "context")
+        tok = _require(tokenizer, "context")
+        stripped = context.rstrip()
+        moved = context[len(stripped) :]
+        context = tokenization.encode_query(tok, stripped)
+        continuations = tokenization.encode_items(tok, [moved + c for c in continuations])
+    context_ids = _token_ids(context, "context", "invalid_query", vocab_size)
+    if not context_ids:
+        raise ValidationError(
+            "empty_sequence",
+            "the context has no token (and the tokenizer adds no BOS), so the first "
+            "continuation token has nothing to be predicted from; pass a context, or token ids "
+            "that start with the model's BOS or EOS token as lm-evaluation-harness does",
+            "context",
+        )
+    continuation_ids = []
+    for i, continuation in enumerate(continuations):
+        param = f"continuations[{i}]"
+        ids = _token_ids(continuation, param, "invalid_items", vocab_size)
+        if not ids:
+            raise ValidationError(
+                "empty_continuation", f"{param} encodes to no token: nothing to score", param
+            )
+        length = len(context_ids) + len(ids)
+        if length > max_sequence_length:
+            raise ValidationError(
+                "sequence_too_long",
+                f"context + {param} is {length} tokens ({len(context_ids)} + {len(ids)}); "
+                f"the model takes at most {max_sequence_length}",
+                param,
+            )
+        continuation_ids.append(ids)
+    return LoglikelihoodRequest(context_ids, continuation_ids)
+
+
+def batch_request(request: Any, where: str) -> dict[str, Any]:
+    """A `score_batch` request as `score`'s keyword arguments, checked against SCORE_ARGUMENTS."""
+    if not isinstance(request, Mapping):
+        raise ValidationError(
+            "invalid_argument",
+            f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
+            where,
+        )
+    unknown = sorted(set(request) - set(SCORE_ARGUMENTS), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_argument",
+            f"{where} has unknown argument(s) {unknown}; allowed: {', '.join(SCORE_ARGUMENTS)}",
+            f"{where}.{unknown[0]}",
+        )
+    for name in SCORE_ARGUMENTS[:2]:
+        if name not in request:
+            raise ValidationError("invalid_argument", f"{where} has no {name!r}", f"{where}.{name}")
+    return dict(request)
+
+
+def backend_name(name: Any) -> str:
+    """A registered backend's name, or "auto"."""
+    if name != registry.AUTO and name not in registry.available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend {name!r} is not registered; available: "
+            f"{', '.join([registry.AUTO, *registry.available()])}",
+            "backend",
+        )
+    return name
+
+
+def check_capabilities(name: str, item_first: bool) -> None:
+    """Refuse a request the backend cannot score."""
+    if item_first and not registry.registration(name).capabilities.item_first:
+        raise ValidationError(
+            "unsupported_option",
+            f"backend {name!r} runs the query once as a prefix shared by all items, "
+            "so it cannot put items first; use backend='serial' or 'auto'",
+            "item_first",
+        )
+
+
+def backend_options(name: Any, options: Any) -> Any:
+    """The options instance for backend `name` from a mapping of its option names to values."""
+    where = f"backend_options.{name}"
+    if name == registry.AUTO or name not in registry.available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend_options names unknown backend {name!r}; available: "
+            f"{', '.join(registry.available())}",
+            "backend_options",
+        )
+    if not isinstance(options, Mapping):
+        raise ValidationError(
+            "invalid_backend_option", f"{where} must be a mapping, got {options!r}", where
+        )
+    cls = registry.registration(name).options
+    allowed = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    unknown = sorted(set(options) - set(allowed), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_backend_option",
+            f"{where}: unknown option(s) {unknown}; {name} takes "
+            f"{', '.join(allowed) if allowed else 'no options'}",
+            f"{where}.{unknown[0]}",
+        )
+    if cls is None:
+        return None
+    try:
+        return cls(**options)
+    except ValidationError as e:
+        raise e.within(where) from None

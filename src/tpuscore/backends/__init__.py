@@ -2,21 +2,51 @@
 
 Built in: "prefill_extend" (the query once, then every item against its cached K/V),
 "packed_dense" and "packed_segment" (the query and many items in one sequence, isolated by a
-dense mask or by a Pallas kernel's procedural mask), "serial"
-(one sequence per item, jitted and batched: the baseline) and "reference" (plain numpy, one
-sequence at a time: the oracle). Register your own with `register`.
+dense mask or by a Pallas kernel's procedural mask), "serial" (one sequence per item, jitted and
+batched: the baseline) and "reference" (plain numpy, one sequence at a time: the oracle).
+Register your own with `register`.
 """
 
-from tpuscore.backends.packed import PackedDenseBackend, PackedSegmentBackend
-from tpuscore.backends.prefill_extend import PrefillExtendBackend
+from tpuscore.backends.contract import BackendOutput, ScoreBatch, StepStats
+from tpuscore.backends.packed import (
+    PackedDenseBackend,
+    PackedOptions,
+    PackedSegmentBackend,
+    PackedSegmentOptions,
+)
+from tpuscore.backends.prefill_extend import PrefillExtendBackend, PrefillExtendOptions
 from tpuscore.backends.reference import ReferenceBackend
-from tpuscore.backends.registry import AUTO, Backend, BackendFactory, available, register
-from tpuscore.backends.serial import SerialBackend
+from tpuscore.backends.registry import (
+    AUTO,
+    Backend,
+    BackendFactory,
+    Capabilities,
+    available,
+    register,
+)
+from tpuscore.backends.serial import SerialBackend, SerialOptions
 
-register("prefill_extend", PrefillExtendBackend)
-register("packed_dense", PackedDenseBackend)
-register("packed_segment", PackedSegmentBackend)
-register("serial", SerialBackend)
+# The query must come first to be a shared prefix, so only serial and reference put items first.
+register("prefill_extend", PrefillExtendBackend, options=PrefillExtendOptions, item_first=False)
+register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False)
+register(
+    "packed_segment",
+    PackedSegmentBackend,
+    options=PackedSegmentOptions,
+    item_first=False,
+    compiled_on={"tpu", "gpu"},  # a Mosaic TPU and a Triton kernel; on CPU, interpret mode
+)
+register("serial", SerialBackend, options=SerialOptions)
 register("reference", ReferenceBackend)
 
-__all__ = ["AUTO", "Backend", "BackendFactory", "available", "register"]
+__all__ = [
+    "AUTO",
+    "Backend",
+    "BackendFactory",
+    "BackendOutput",
+    "Capabilities",
+    "ScoreBatch",
+    "StepStats",
+    "available",
+    "register",
+]

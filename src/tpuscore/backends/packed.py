@@ -1,39 +1,90 @@
 """packed_dense and packed_segment: the query and many items in one sequence, one forward pass.
 
-Each chunk of items is packed behind the query (`packing.py`) and runs once: query tokens are
-computed once per chunk instead of once per item. Items are isolated by the shared-prefix segment
-mask, so scores equal serial up to float rounding. The two backends differ only in how attention
-applies that mask:
+Each chunk of items is packed behind its query (`packing.py`) and runs once: query tokens are
+computed once per chunk instead of once per item. Chunks go in the batch axis, one packed row
+each, so requests with different queries share a device step (`PackedBackend.plan`). Items are
+isolated by the shared-prefix segment mask, so scores equal serial up to float rounding. The two
+backends differ only in how attention applies that mask:
 
 - packed_dense materializes it as a [T, T] mask for XLA attention: simple, O(T^2) memory, so the
   items are split into chunks whose estimated attention memory fits a budget.
-- packed_segment runs `kernels.segment_attention`, a Pallas flash-attention kernel that computes
-  the mask per tile from O(T) metadata and skips tiles the mask empties. Off TPU it runs in Pallas
+- packed_segment runs a Pallas flash-attention kernel that computes the mask per tile from O(T)
+  metadata and skips tiles the mask empties: `kernels.segment_attention` on TPU,
+  `kernels.segment_attention_gpu` (Triton) on GPUs. On CPU it runs the TPU kernel in Pallas
   interpret mode: right, but not fast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 
+import attrs
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from tpuscore import packing
-from tpuscore.batching import BackendOutput, ScoreBatch, bucket_tokens
+from tpuscore import costs, packing
+from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
+from tpuscore.buckets import bucket_count, bucket_tokens
+from tpuscore.errors import ValidationError, check_int
 from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
-from tpuscore.memory import activation_budget, activation_bytes_per_token
+from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes, segment_attention_gpu
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
 logger = logging.getLogger(__name__)
 
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
+MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block_sizes"))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackedOptions:
+    """activation_bytes: the memory budget a chunk's estimate must fit (default 256 MiB on CPU,
+    an eighth of accelerator memory)."""
+
+    activation_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.activation_bytes is not None:
+            check_int("activation_bytes", self.activation_bytes, minimum=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackedSegmentOptions(PackedOptions):
+    """As packed_dense's, and block_sizes: the kernel's tiles. On a GPU a `GpuBlockSizes` (the
+    Triton kernel's), elsewhere a `BlockSizes` (the TPU kernel's), or a dict of its fields;
+    default the platform's default tiles."""
+
+    block_sizes: BlockSizes | GpuBlockSizes | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        block_sizes = self.block_sizes
+        kind = GpuBlockSizes if jax.default_backend() == "gpu" else BlockSizes
+        try:
+            if isinstance(block_sizes, dict):
+                block_sizes = kind(**block_sizes)
+        except (TypeError, ValueError) as e:
+            raise ValidationError(
+                "invalid_backend_option", f"block_sizes: {e}", "block_sizes"
+            ) from None
+        if not isinstance(block_sizes, kind | None):
+            raise ValidationError(
+                "invalid_backend_option",
+                f"block_sizes must be a {kind.__name__} on {jax.default_backend()} or a dict of "
+                f"its fields, got {block_sizes!r}",
+                "block_sizes",
+            )
+        object.__setattr__(self, "block_sizes", block_sizes or kind())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def score_packed(
     params: Params,
     tokens: jax.Array,
@@ -42,74 +93,150 @@ def score_packed(
     seg_start: jax.Array,
     score_index: jax.Array,
     label_ids: jax.Array,
-    cfg: ModelConfig,
-    block_sizes: BlockSizes | None,
+    config: ModelConfig,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+    interpret: bool | None = None,
 ) -> jax.Array:
-    """Label logprobs [I, C] at positions score_index [I] of one packed sequence [T].
+    """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
+    with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
 
-    block_sizes None attends through a dense [T, T] mask; else through the segment kernel.
+    block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
+    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one).
+    interpret None runs the kernel in Pallas interpret mode where it has no lowering (tests
+    lowering for another platform pass False).
     """
-    T = tokens.shape[0]
-    prefix_len, seg_start = prefix_len[None], seg_start[None]
+    B, T = tokens.shape
     if block_sizes is None:
         attention = functools.partial(decoder.attend, mask=segment_mask(prefix_len, seg_start, T))
     else:
 
         def attention(q, k, v):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
-            o = segment_attention(q, k, v, prefix_len, seg_start, block_sizes=block_sizes)
+            gpu = isinstance(block_sizes, GpuBlockSizes)
+            kernel = segment_attention_gpu if gpu else segment_attention
+            o = kernel(q, k, v, prefix_len, seg_start, block_sizes=block_sizes, interpret=interpret)
             return o.swapaxes(1, 2)
 
-    hidden = decoder.forward(params, cfg, tokens[None], positions[None], attention)
-    return decoder.label_logprobs(params, cfg, hidden[0, score_index], label_ids)
+    hidden = decoder.forward(params, config, tokens, positions, attention)
+    scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
+    return decoder.row_label_logprobs(params, config, scored, label_ids)
+
+
+@attrs.frozen
+class PackedStep:
+    """One device step: `chunks` (group, batch rows of that group's items), one packed row each,
+    padded to `rows` rows of `length` tokens; `tokens` real tokens per chunk."""
+
+    length: int
+    rows: int
+    chunks: tuple[tuple[int, np.ndarray], ...]
+    tokens: tuple[int, ...]
 
 
 class PackedBackend:
-    """What both packed backends share. Option activation_bytes: the memory budget that a chunk's
-    estimate must fit (default 256 MiB on CPU, an eighth of accelerator memory)."""
+    """What both packed backends share; subclasses say how attention applies the mask."""
 
-    supports_item_first = False  # the query must come first to be a shared prefix
-    block_sizes: BlockSizes | None = None
+    block_sizes: BlockSizes | GpuBlockSizes | None = None
+    dense_mask = True
 
-    def __init__(self, config: ModelConfig, params: Params, *, activation_bytes: int | None = None):
-        self.config = config
-        self.params = params
-        self.activation_bytes = activation_bytes or activation_budget()
+    def __init__(self, model: Model, options: PackedOptions):
+        self.model = model
+        self.activation_bytes = options.activation_bytes or costs.activation_budget()
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
-        logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
-        num_tokens = 0
-        # Chunks fill the longest bucket that fits the budget: only the last one pads much.
-        chunks = list(packing.plan(batch, self.max_tokens))
-        logger.debug("%d items in %d packed chunks", batch.num_items, len(chunks))
-        for items in chunks:
-            real = batch.query_len + int(batch.item_lens[items].sum())
-            length = self.bucket(real)
-            if length > self.max_tokens:  # the query and one item, too long to split further
+        return self.score_groups([batch])[0]
+
+    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+        out = BackendOutput.for_groups(batches)
+        for step in self.plan(batches):
+            if step.length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
-                    length, self.memory_bytes(length), self.activation_bytes,
+                    step.length, self.memory_bytes(step.length), self.activation_bytes,
                 )  # fmt: skip
-            chunk = packing.pack(batch, items, length)
-            out = score_packed(
-                self.params,
-                chunk.tokens,
-                chunk.positions,
-                np.int32(chunk.prefix_len),
-                chunk.seg_start,
-                chunk.score_index,
-                batch.label_ids,
-                cfg=self.config,
+            groups = [g for g, _ in step.chunks]
+            packed = packing.stack(
+                [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks], step.rows
+            )
+            labels = stack_labels([batches[g].label_ids for g in groups], step.rows)
+            tokens: dict[int, int] = {}
+            for g, n in zip(groups, step.tokens, strict=True):
+                tokens[g] = tokens.get(g, 0) + n
+            out.step(
+                "score_packed",
+                (*packed.tokens.shape, packed.score_index.shape[1], labels.shape[1]),
+                tokens,
+            )
+            logprobs = score_packed(
+                self.model.params,
+                packed.tokens,
+                packed.positions,
+                packed.prefix_len,
+                packed.seg_start,
+                packed.score_index,
+                labels,
+                config=self.model.config,
                 block_sizes=self.block_sizes,
             )
-            logprobs[items] = np.asarray(out)[: len(items)]
-            num_tokens += real
-        valid = np.arange(logprobs.shape[0]) < batch.num_items
-        return BackendOutput(logprobs, valid, num_tokens=num_tokens)
+            for r, (g, rows) in enumerate(step.chunks):
+                out.scores(g, rows, logprobs, index=r)
+        return out.build()
+
+    def plan(self, batches: Sequence[ScoreBatch]) -> list[PackedStep]:
+        """The device steps that score these groups.
+
+        Each group's items are split, in order, into chunks that fill the longest packed length
+        that fits the budget (`packing.plan`); each chunk is one packed row, its query first.
+        Rows are taken longest first: a step's length is the token bucket of its longest chunk,
+        and it takes as many of the next chunks as fit that length's memory (a power of two of
+        rows, the last step padded to one), so chunks of similar length share a step.
+        """
+        chunks = [
+            (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
+            for g, batch in enumerate(batches)
+            for rows in packing.plan(batch, self.max_tokens)
+        ]
+        chunks.sort(key=lambda chunk: -chunk[2])  # stable: equal lengths keep their order
+        steps, start = [], 0
+        while start < len(chunks):
+            length = self.bucket(chunks[start][2])
+            count = min(len(chunks) - start, self.rows(length))
+            while count > 1 and self.step_bytes(chunks[start : start + count], length) > (
+                self.activation_bytes
+            ):
+                count //= 2  # many items per row: the LM head's logits need room too
+            taken = chunks[start : start + count]
+            steps.append(
+                PackedStep(
+                    length=length,
+                    rows=bucket_count(count),
+                    chunks=tuple((g, rows) for g, rows, _ in taken),
+                    tokens=tuple(n for _, _, n in taken),
+                )
+            )
+            start += count
+        return steps
 
     def bucket(self, tokens: int) -> int:
         """The packed length that `tokens` real tokens are padded to."""
         return bucket_tokens(tokens)
+
+    def rows(self, length: int) -> int:
+        """Packed rows per step at this length (a power of two) whose memory fits the budget."""
+        return costs.packed_rows(
+            self.model.config,
+            length,
+            self.activation_bytes,
+            MAX_STEP_TOKENS,
+            dense_mask=self.dense_mask,
+        )
+
+    def step_bytes(self, chunks, length: int) -> int:
+        """Estimated peak memory of one step packing these (group, rows, tokens) chunks."""
+        slots = bucket_count(max(len(rows) for _, rows, _ in chunks))
+        return costs.packed_step_bytes(
+            self.model.config, bucket_count(len(chunks)), length, slots, dense_mask=self.dense_mask
+        )
 
     @functools.cached_property
     def max_tokens(self) -> int:
@@ -120,32 +247,22 @@ class PackedBackend:
         return fits
 
     def memory_bytes(self, length: int) -> int:
-        """Estimated peak memory of one layer at this packed length, in float32: activations."""
-        return length * activation_bytes_per_token(self.config)
+        """Estimated peak memory of one layer at this packed length."""
+        return costs.packed_bytes(self.model.config, length, dense_mask=self.dense_mask)
 
 
 class PackedDenseBackend(PackedBackend):
-    """packed_dense: attention under a dense [T, T] mask. Option activation_bytes: the memory
-    budget that a chunk's estimate must fit (default 256 MiB on CPU, an eighth of accelerator
-    memory)."""
-
-    def memory_bytes(self, length: int) -> int:
-        # Plus the [T, T] mask and per head the float32 scores, exp weights and their cast.
-        attention = length * length * (1 + 12 * self.config.num_heads)
-        return super().memory_bytes(length) + attention
+    """packed_dense: attention under a dense [T, T] mask."""
 
 
 class PackedSegmentBackend(PackedBackend):
-    """packed_segment: attention by the Pallas segment kernel. Options activation_bytes (as
-    packed_dense's) and block_sizes (the kernel's tiles: a `BlockSizes` or a dict of its fields)."""
+    """packed_segment: attention by the Pallas segment kernel, which never builds the mask."""
 
-    def __init__(self, config, params, *, block_sizes=None, activation_bytes=None):
-        super().__init__(config, params, activation_bytes=activation_bytes)
-        if isinstance(block_sizes, dict):
-            block_sizes = BlockSizes(**block_sizes)
-        if not isinstance(block_sizes, BlockSizes | None):
-            raise TypeError(f"block_sizes must be a BlockSizes or a dict, got {block_sizes!r}")
-        self.block_sizes = block_sizes or BlockSizes()
+    dense_mask = False
+
+    def __init__(self, model: Model, options: PackedSegmentOptions):
+        super().__init__(model, options)
+        self.block_sizes = options.block_sizes
 
     def bucket(self, tokens: int) -> int:
         tile = self.block_sizes.tile  # the kernel needs whole tiles

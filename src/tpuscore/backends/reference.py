@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpuscore.batching import BackendOutput, ScoreBatch
+from tpuscore.backends.contract import BackendOutput, ScoreBatch
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
 
@@ -31,52 +32,53 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def last_token_logprobs(cfg: ModelConfig, params: Params, tokens: np.ndarray) -> np.ndarray:
+def last_token_logprobs(config: ModelConfig, params: Params, tokens: np.ndarray) -> np.ndarray:
     """log P(next token) over the full vocabulary [V] after the token sequence [T]."""
-    T, N, K = len(tokens), cfg.num_heads, cfg.num_kv_heads
-    angles = np.arange(T, dtype=np.float32)[:, None] * rope.inv_frequencies(cfg)  # [T, H/2]
+    T, N, K = len(tokens), config.num_heads, config.num_kv_heads
+    angles = np.arange(T, dtype=np.float32)[:, None] * rope.inv_frequencies(config)  # [T, H/2]
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]  # [T, 1, H/2]
     causal = np.tril(np.ones((T, T), bool))
     x = params["embed"][tokens]  # [T, D]
-    for i in range(cfg.num_layers):
+    for i in range(config.num_layers):
         p = {name: value[i] for name, value in params["layers"].items()}
-        h = _rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        h = _rms_norm(x, p["attn_norm"], config.rms_norm_eps)
         q = _einsum("td,dnh->tnh", h, p["wq"])
         k = _einsum("td,dkh->tkh", h, p["wk"])
         v = _einsum("td,dkh->tkh", h, p["wv"])
-        if cfg.qkv_bias:
+        if config.qkv_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        if cfg.qk_norm:
-            q = _rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = _rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        if config.qk_norm:
+            q = _rms_norm(q, p["q_norm"], config.rms_norm_eps)
+            k = _rms_norm(k, p["k_norm"], config.rms_norm_eps)
         q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         k, v = np.repeat(k, N // K, axis=1), np.repeat(v, N // K, axis=1)  # [T, N, H]
-        scores = _einsum("tnh,snh->nts", q, k) / np.sqrt(cfg.head_dim)
+        scores = _einsum("tnh,snh->nts", q, k) / np.sqrt(config.head_dim)
         scores = np.where(causal, scores, -np.inf)
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         attn = _einsum("nts,snh->tnh", probs, v)
         out = _einsum("tnh,nhd->td", attn, p["wo"])
-        x = x + (out + p["bo"] if cfg.o_bias else out)
-        h = _rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (out + p["bo"] if config.o_bias else out)
+        h = _rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
         x = x + (_silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    h = _rms_norm(x[-1], params["final_norm"], cfg.rms_norm_eps)
-    logits = params["embed"] @ h if cfg.tie_word_embeddings else h @ params["lm_head"]
+    h = _rms_norm(x[-1], params["final_norm"], config.rms_norm_eps)
+    logits = params["embed"] @ h if config.tie_word_embeddings else h @ params["lm_head"]
     return _log_softmax(logits)
 
 
 class ReferenceBackend:
-    def __init__(self, config: ModelConfig, params: Params):
-        self.config = config
-        self.params = _as_float32(params)
+    def __init__(self, model: Model, options: None = None):
+        self.config = model.config
+        self.params = _as_float32(model.params)
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
-        logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
+        out = BackendOutput.for_batch(batch)
         for i in range(batch.num_items):
-            full = last_token_logprobs(self.config, self.params, batch.sequence(i))
-            logprobs[i] = full[batch.label_ids]
-        valid = np.arange(logprobs.shape[0]) < batch.num_items
-        return BackendOutput(logprobs, valid, num_tokens=int(batch.sequence_lens.sum()))
+            sequence = batch.sequence(i)
+            full = last_token_logprobs(self.config, self.params, sequence)
+            out.step("last_token_logprobs", sequence.shape, len(sequence))
+            out.scores(np.array([i]), full[None, batch.label_ids])
+        return out.build()
 
 
 def _as_float32(params: Params) -> Params:

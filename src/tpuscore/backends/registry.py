@@ -1,50 +1,119 @@
-"""Backends by name: each name maps to a factory `factory(config, params, **options) -> Backend`.
+"""Backends by name. Each registration holds a factory, its options class and its capabilities.
 
-A backend whose class sets `supports_item_first = False` is never handed an item_first batch.
+A factory is called as `factory(model, options)`: `model` is a `tpuscore.models.model.Model`,
+`options` an instance of the options class given at registration (a frozen dataclass that
+validates itself), or None for a backend registered without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from tpuscore.batching import BackendOutput, ScoreBatch
+import attrs
+
+from tpuscore.backends.contract import BackendOutput, ScoreBatch
 
 AUTO = "auto"
+PLATFORMS = frozenset({"cpu", "gpu", "tpu"})  # as jax.default_backend() names them
 
 
 class Backend(Protocol):
-    """Scores a validated, bucket-padded batch. Never validates input or post-processes scores."""
+    """Scores a validated, bucket-padded batch. Never validates input or post-processes scores.
+
+    A backend may also have `score_groups(batches) -> list[BackendOutput]`, which scores several
+    groups (each a query with its items and labels) in as few device steps as it can; one that
+    has only `score` is called once per group (`score_groups` below).
+    """
 
     def score(self, batch: ScoreBatch) -> BackendOutput: ...
 
 
-BackendFactory = Callable[..., Backend]
+def score_groups(backend: Backend, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+    """Score several groups with one backend: its own `score_groups` where it has one, else its
+    `score` once per group, so a backend written for one group at a time keeps working."""
+    if hasattr(backend, "score_groups"):
+        outputs = list(backend.score_groups(batches))
+        if len(outputs) != len(batches):
+            raise RuntimeError(
+                f"score_groups returned {len(outputs)} outputs for {len(batches)} batches"
+            )
+        return outputs
+    return [backend.score(batch) for batch in batches]
 
-_FACTORIES: dict[str, BackendFactory] = {}
+
+BackendFactory = Callable[[Any, Any], Backend]
 
 
-def register(name: str, factory: BackendFactory) -> None:
-    """Make `factory` selectable as `backend=name`; registering a name again replaces it."""
+@attrs.frozen
+class Capabilities:
+    """What a backend can do. item_first: it can score items placed before the query.
+    compiled_on: the platforms where it runs compiled code; elsewhere it runs in Pallas interpret
+    mode (right, but slow, and never picked by auto)."""
+
+    item_first: bool = True
+    compiled_on: frozenset[str] = PLATFORMS
+
+    def compiled(self, platform: str) -> bool:
+        return platform in self.compiled_on
+
+
+@attrs.frozen
+class Registration:
+    name: str
+    factory: BackendFactory
+    options: type | None
+    capabilities: Capabilities
+
+
+_REGISTRY: dict[str, Registration] = {}
+
+
+def register(
+    name: str,
+    factory: BackendFactory,
+    *,
+    options: type | None = None,
+    item_first: bool = True,
+    compiled_on: frozenset[str] | set[str] = PLATFORMS,
+) -> None:
+    """Make `factory` selectable as `backend=name`; registering a name again replaces it.
+
+    Args:
+        name: the backend's name; any non-empty string but "auto".
+        factory: called as `factory(model, options)`, returns an object with
+            `score(batch: ScoreBatch) -> BackendOutput`, and optionally
+            `score_groups(batches: Sequence[ScoreBatch]) -> list[BackendOutput]` (else several
+            groups are scored one `score` call each).
+        options: a frozen dataclass of the backend's options (keyword-only fields, None meaning
+            the default), built from `Scorer(backend_options={name: {...}})`; None if it has none.
+        item_first: whether it can score `item_first=True` requests; if not, they are refused
+            with `ValidationError(code="unsupported_option")` before they reach it.
+        compiled_on: platforms ("cpu", "gpu", "tpu") where it runs compiled code.
+
+    Raises:
+        ValueError: a bad name, options class or platform. TypeError: a factory that is not
+            callable.
+    """
     if not isinstance(name, str) or not name or name == AUTO:
         raise ValueError(
             f"backend name must be a non-empty string other than {AUTO!r}, got {name!r}"
         )
     if not callable(factory):
         raise TypeError(f"factory for backend {name!r} must be callable, got {factory!r}")
-    _FACTORIES[name] = factory
+    if options is not None and not dataclasses.is_dataclass(options):
+        raise ValueError(f"options for backend {name!r} must be a dataclass, got {options!r}")
+    if not set(compiled_on) <= PLATFORMS:
+        raise ValueError(f"compiled_on must be a subset of {sorted(PLATFORMS)}, got {compiled_on}")
+    capabilities = Capabilities(bool(item_first), frozenset(compiled_on))
+    _REGISTRY[name] = Registration(name, factory, options, capabilities)
 
 
 def available() -> list[str]:
     """Registered backend names, sorted."""
-    return sorted(_FACTORIES)
+    return sorted(_REGISTRY)
 
 
-def factory(name: str) -> BackendFactory:
-    return _FACTORIES[name]
-
-
-def select(batch: ScoreBatch) -> str:
-    """The backend "auto" runs for this batch: prefill_extend whenever the query comes first (it
-    runs the query once, not once per item), else serial."""
-    return "serial" if batch.item_first else "prefill_extend"
+def registration(name: str) -> Registration:
+    return _REGISTRY[name]

@@ -5,30 +5,43 @@ The baseline every faster backend is measured against: simple, exact, and N time
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore.batching import (
-    BackendOutput,
-    ScoreBatch,
-    bucket_count,
-    bucket_tokens,
-    pow2_floor,
-)
+from tpuscore import costs
+from tpuscore.backends.contract import BackendOutput, ScoreBatch
+from tpuscore.buckets import bucket_count, bucket_tokens
+from tpuscore.errors import check_int
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
-DEFAULT_MAX_BATCH_TOKENS = 8192
 MAX_ROWS = 64
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SerialOptions:
+    """max_batch_tokens: padded tokens per step (default 8192)."""
+
+    max_batch_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_batch_tokens is not None:
+            check_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+
+
+@functools.partial(jax.jit, static_argnames="config")
 def score_sequences(
-    params: Params, tokens: jax.Array, lengths: jax.Array, label_ids: jax.Array, cfg: ModelConfig
+    params: Params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    label_ids: jax.Array,
+    config: ModelConfig,
 ) -> jax.Array:
     """Label logprobs [B, C] at the last real token of each right-padded row of tokens [B, T].
 
@@ -38,26 +51,22 @@ def score_sequences(
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     attention = functools.partial(decoder.attend, mask=causal)
-    hidden = decoder.forward(params, cfg, tokens, positions, attention)
+    hidden = decoder.forward(params, config, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
-    return decoder.label_logprobs(params, cfg, last, label_ids)
+    return decoder.label_logprobs(params, config, last, label_ids)
 
 
 class SerialBackend:
-    def __init__(
-        self, config: ModelConfig, params: Params, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    ):
-        self.config = config
-        self.params = params
-        self.max_batch_tokens = max_batch_tokens
+    def __init__(self, model: Model, options: SerialOptions):
+        self.model = model
+        self.max_batch_tokens = options.max_batch_tokens or 8192
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         n = batch.num_items
         lens = batch.sequence_lens
-        logprobs = np.zeros((batch.items.shape[0], batch.label_ids.shape[0]), np.float32)
+        out = BackendOutput.for_batch(batch)
         T = bucket_tokens(int(lens.max(initial=1)))
-        # A power of two, so chunks reuse count buckets.
-        rows = pow2_floor(min(MAX_ROWS, self.max_batch_tokens // T))
+        rows = costs.serial_batch_rows(T, self.max_batch_tokens, MAX_ROWS)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             tokens = np.zeros((bucket_count(stop - start), T), np.int32)
@@ -66,7 +75,11 @@ class SerialBackend:
                 tokens[row, : len(seq)] = seq
             lengths = np.zeros(tokens.shape[0], np.int32)
             lengths[: stop - start] = lens[start:stop]
-            out = score_sequences(self.params, tokens, lengths, batch.label_ids, cfg=self.config)
-            logprobs[start:stop] = np.asarray(out)[: stop - start]
-        valid = np.arange(logprobs.shape[0]) < n
-        return BackendOutput(logprobs=logprobs, valid=valid, num_tokens=int(lens.sum()))
+            out.step("score_sequences", (*tokens.shape, len(batch.label_ids)), int(lengths.sum()))
+            out.scores(
+                np.arange(start, stop),
+                score_sequences(
+                    self.model.params, tokens, lengths, batch.label_ids, config=self.model.config
+                ),
+            )
+        return out.build()

@@ -16,13 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tpuscore.costs import score_block_tokens
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 
 f32 = jnp.float32
-CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
-SCORE_BLOCK_BYTES = 256 << 20
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -37,9 +36,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(f32)
 
 
-def rope_angles(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rope_angles(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, 1, H/2] for integer positions [B, T]."""
-    angles = positions[..., None].astype(f32) * jnp.asarray(rope.inv_frequencies(cfg))
+    angles = positions[..., None].astype(f32) * jnp.asarray(rope.inv_frequencies(config))
     return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
 
 
@@ -89,7 +88,7 @@ def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix
     B, T, N, H = q.shape
     K, P = prefix_k.shape[0], prefix_k.shape[2]
     G = N // K
-    t = _block_tokens(B * T, bytes_per_token=N * P * 4)
+    t = score_block_tokens(B * T, bytes_per_token=N * P * 4)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
 
     def block(q):
@@ -101,13 +100,6 @@ def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix
         return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
 
     return tuple(map(to_btkg, jax.lax.map(block, q)))
-
-
-def _block_tokens(tokens: int, bytes_per_token: int) -> int:
-    """The largest divisor of tokens whose scores fit the block budget (at least 1)."""
-    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
-    fits = max(1, budget // bytes_per_token)
-    return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
 
 
 def _merge(*parts) -> jax.Array:
@@ -140,29 +132,29 @@ class Prefix(NamedTuple):
     last_hidden: jax.Array
 
 
-def _qkv(cfg: ModelConfig, x, p, cos, sin):
+def _qkv(config: ModelConfig, x, p, cos, sin):
     dtype = p["wq"].dtype
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
     q = _dot("btd,dnh->btnh", h, p["wq"])
     k = _dot("btd,dkh->btkh", h, p["wk"])
     v = _dot("btd,dkh->btkh", h, p["wv"])
-    if cfg.qkv_bias:
+    if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q = rope.rotate(q, cos, sin, xp=jnp).astype(dtype)
     k = rope.rotate(k, cos, sin, xp=jnp).astype(dtype)
     return q, k, v.astype(dtype)
 
 
-def _finish(cfg: ModelConfig, x, o, p):
+def _finish(config: ModelConfig, x, o, p):
     """Output projection, residual and MLP after attention output o [B,T,N,H]."""
     attn = _dot("btnh,nhd->btd", o, p["wo"])
-    if cfg.o_bias:
+    if config.o_bias:
         attn = attn + p["bo"]
     x = x + attn
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     gate = _dot("btd,df->btf", h, p["w_gate"])
     up = _dot("btd,df->btf", h, p["w_up"])
     return x + _dot("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
@@ -173,7 +165,7 @@ Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 def forward(
     params: Params,
-    cfg: ModelConfig,
+    config: ModelConfig,
     tokens: jax.Array,
     positions: jax.Array,
     attention: Attention,
@@ -182,11 +174,11 @@ def forward(
 
     attention maps q [B,T,N,H] and k/v [B,T,K,H] to [B,T,N,H], e.g. `attend` under a mask.
     """
-    cos, sin = rope_angles(cfg, positions)
+    cos, sin = rope_angles(config, positions)
 
     def step(x, p):
-        q, k, v = _qkv(cfg, x, p, cos, sin)
-        return _finish(cfg, x, attention(q, k, v), p), None
+        q, k, v = _qkv(config, x, p, cos, sin)
+        return _finish(config, x, attention(q, k, v), p), None
 
     x, _ = jax.lax.scan(step, params["embed"][tokens].astype(f32), params["layers"])
     return x
@@ -194,43 +186,101 @@ def forward(
 
 def extend(
     params: Params,
-    cfg: ModelConfig,
+    config: ModelConfig,
     prefix: Prefix,
     tokens: jax.Array,
     mask: jax.Array,
     *,
+    rows: jax.Array | None = None,
     return_kv: bool = False,
 ):
-    """Run tokens [B, T], each row continuing the same shared `prefix`, without copying it.
+    """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
-    Row tokens sit at positions prefix.length + [0, T) and attend to the whole prefix plus their
+    rows None: every row continues the one shared `prefix` (k [layers, K, H, P]), met through one
+    matmul for the whole batch. rows [B]: `prefix` is a stack of prefixes (k [layers, Q, K, H, P],
+    length [Q]; `stack_prefixes`) and row b continues prefix rows[b], gathered per row.
+
+    Row tokens sit at positions prefix length + [0, T) and attend to the whole prefix plus their
     own row under mask [B, T, T] (which must allow each token itself). The two attention parts are
     merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
     B, T = tokens.shape
-    positions = jnp.broadcast_to(prefix.length + jnp.arange(T), (B, T))
-    cos, sin = rope_angles(cfg, positions)
-    prefix_mask = jnp.arange(prefix.k.shape[-1]) < prefix.length
+    length = prefix.length if rows is None else prefix.length[rows][:, None]  # [] or [B, 1]
+    positions = jnp.broadcast_to(length + jnp.arange(T), (B, T))
+    cos, sin = rope_angles(config, positions)
+    prefix_mask = jnp.arange(prefix.k.shape[-1]) < length  # [P] or [B, P]
+
+    def prefix_parts(q, prefix_k, prefix_v):
+        if rows is None:
+            return _prefix_parts(q, prefix_k, prefix_v, prefix_mask)
+        # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
+        k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
+        return _own_parts(q, k, v, jnp.broadcast_to(prefix_mask[:, None], (B, T, k.shape[1])))
 
     def step(x, layer):
         p, prefix_k, prefix_v = layer
-        q, k, v = _qkv(cfg, x, p, cos, sin)
-        o = _merge(_prefix_parts(q, prefix_k, prefix_v, prefix_mask), _own_parts(q, k, v, mask))
-        return _finish(cfg, x, o, p), (k, v) if return_kv else None
+        q, k, v = _qkv(config, x, p, cos, sin)
+        o = _merge(prefix_parts(q, prefix_k, prefix_v), _own_parts(q, k, v, mask))
+        return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = params["embed"][tokens].astype(f32)
     return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v))
 
 
-def label_logprobs(
-    params: Params, cfg: ModelConfig, hidden: jax.Array, label_ids: jax.Array
-) -> jax.Array:
-    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows."""
-    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
+def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
+    """Prefixes stacked on a new axis 1 (k [layers, count, K, H, P], v [layers, count, K, P, H],
+    length [count], last_hidden [count, D]), padded to the longest P and to `count` entries
+    (padding entries are empty: length 0)."""
+    P = max(p.k.shape[-1] for p in prefixes)
+    first = prefixes[0]
+    empty = Prefix(
+        k=jnp.zeros((*first.k.shape[:-1], P), first.k.dtype),
+        v=jnp.zeros((*first.v.shape[:2], P, first.v.shape[-1]), first.v.dtype),
+        length=jnp.int32(0),
+        last_hidden=jnp.zeros_like(first.last_hidden),
+    )
+
+    def pad(p: Prefix) -> Prefix:
+        extra = P - p.k.shape[-1]
+        return p._replace(
+            k=jnp.pad(p.k, [(0, 0)] * 3 + [(0, extra)]),
+            v=jnp.pad(p.v, [(0, 0)] * 2 + [(0, extra), (0, 0)]),
+            length=jnp.asarray(p.length, jnp.int32),
+        )
+
+    padded = [pad(p) for p in prefixes] + [empty] * (count - len(prefixes))
+    return Prefix(
+        k=jnp.stack([p.k for p in padded], axis=1),
+        v=jnp.stack([p.v for p in padded], axis=1),
+        length=jnp.stack([p.length for p in padded]),
+        last_hidden=jnp.stack([p.last_hidden for p in padded]),
+    )
+
+
+def _vocab_logprobs(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """log P(token) over the full vocabulary [B, V] from the hidden states [B, D]."""
+    h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
         logits = _dot("bd,vd->bv", h, params["embed"])
     else:
         logits = _dot("bd,dv->bv", h, params["lm_head"])
-    return jax.nn.log_softmax(logits, axis=-1)[:, label_ids]
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def label_logprobs(
+    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+) -> jax.Array:
+    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows."""
+    return _vocab_logprobs(params, config, hidden)[:, label_ids]
+
+
+def row_label_logprobs(
+    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+) -> jax.Array:
+    """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C]."""
+    B, slots, D = hidden.shape
+    logprobs = _vocab_logprobs(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
+    index = jnp.broadcast_to(label_ids[:, None, :], (B, slots, label_ids.shape[1]))
+    return jnp.take_along_axis(logprobs, index, axis=2)

@@ -9,25 +9,25 @@ import numpy as np
 from tpuscore.models.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
+def inv_frequencies(config: ModelConfig) -> np.ndarray:
     """Per-pair rotation frequencies [H/2] (float32), with the config's RoPE scaling applied."""
-    H = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
-    if cfg.rope_type == "linear":
-        inv_freq = inv_freq / cfg.rope_factor
-    elif cfg.rope_type == "llama3":
-        inv_freq = _llama3_scaling(cfg, inv_freq)
+    H = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        inv_freq = _llama3_scaling(config, inv_freq)
     return inv_freq.astype(np.float32)
 
 
-def _llama3_scaling(cfg: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
+def _llama3_scaling(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
-    old_len = cfg.rope_original_max_position
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = config.rope_original_max_position
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / cfg.rope_factor, inv_freq)
+    scaled = np.where(wavelen > old_len / low, inv_freq / config.rope_factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    smoothed = (1 - smooth) * scaled / config.rope_factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, smoothed, scaled)
 

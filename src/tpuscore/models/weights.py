@@ -33,10 +33,10 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not match the parameters its config implies."""
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
+def param_shapes(config: ModelConfig) -> Params:
     """The shape of every parameter, as the same nested dict the loaders build."""
-    L, V, D, F = cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    L, V, D, F = config.num_layers, config.vocab_size, config.hidden_size, config.intermediate_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
     layers = {
         "attn_norm": (L, D),
         "wq": (L, D, N, H),
@@ -48,14 +48,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
         "w_up": (L, D, F),
         "w_down": (L, F, D),
     }
-    if cfg.qkv_bias:
+    if config.qkv_bias:
         layers |= {"bq": (L, N, H), "bk": (L, K, H), "bv": (L, K, H)}
-    if cfg.o_bias:
+    if config.o_bias:
         layers["bo"] = (L, D)
-    if cfg.qk_norm:
+    if config.qk_norm:
         layers |= {"q_norm": (L, H), "k_norm": (L, H)}
     shapes: Params = {"embed": (V, D), "final_norm": (D,), "layers": layers}
-    if not cfg.tie_word_embeddings:
+    if not config.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
 
@@ -82,9 +82,9 @@ def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+def _layer_table(config: ModelConfig) -> dict[str, tuple[str, Callable]]:
     """Per-layer checkpoint suffix -> (parameter name, value transform)."""
-    N, K = cfg.num_heads, cfg.num_kv_heads
+    N, K = config.num_heads, config.num_kv_heads
     table = {
         "input_layernorm.weight": ("attn_norm", _identity),
         "self_attn.q_proj.weight": ("wq", _linear(heads=N)),
@@ -96,15 +96,15 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
         "mlp.up_proj.weight": ("w_up", _linear()),
         "mlp.down_proj.weight": ("w_down", _linear()),
     }
-    if cfg.qkv_bias:
+    if config.qkv_bias:
         table |= {
             "self_attn.q_proj.bias": ("bq", _split_heads(N)),
             "self_attn.k_proj.bias": ("bk", _split_heads(K)),
             "self_attn.v_proj.bias": ("bv", _split_heads(K)),
         }
-    if cfg.o_bias:
+    if config.o_bias:
         table["self_attn.o_proj.bias"] = ("bo", _identity)
-    if cfg.qk_norm:
+    if config.qk_norm:
         table |= {
             "self_attn.q_norm.weight": ("q_norm", _identity),
             "self_attn.k_norm.weight": ("k_norm", _identity),
@@ -113,7 +113,7 @@ def _layer_table(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
 
 
 def params_from_checkpoint(
-    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: np.dtype = np.float32
+    config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: np.dtype = np.float32
 ) -> Params:
     """Map Hugging Face-named tensors onto the parameter tree, cast to `dtype`.
 
@@ -123,21 +123,23 @@ def params_from_checkpoint(
         "model.embed_tokens.weight": ("embed", _identity),
         "model.norm.weight": ("final_norm", _identity),
     }
-    if not cfg.tie_word_embeddings:
+    if not config.tie_word_embeddings:
         top["lm_head.weight"] = ("lm_head", _linear())
-    layer_table = _layer_table(cfg)
+    layer_table = _layer_table(config)
     expected = set(top) | {
-        f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in layer_table
+        f"model.layers.{i}.{suffix}" for i in range(config.num_layers) for suffix in layer_table
     }
     # A tied checkpoint may still carry a copy of the embedding as lm_head; it is unused.
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     present = {name for name in tensors if not _IGNORED.match(name)}
     missing = sorted(expected - present)
     unexpected = sorted(present - expected - optional)
 
-    shapes = param_shapes(cfg)
+    shapes = param_shapes(config)
     params: Params = {"layers": {}}
-    stacked: dict[str, list] = {name: [None] * cfg.num_layers for name, _ in layer_table.values()}
+    stacked: dict[str, list] = {
+        name: [None] * config.num_layers for name, _ in layer_table.values()
+    }
     misshapen = []
 
     def put(value: np.ndarray, want: tuple, where: str) -> np.ndarray | None:
@@ -160,7 +162,7 @@ def params_from_checkpoint(
         stacked[name][i] = put(value, shapes["layers"][name][1:], ckpt_name)
 
     if missing or unexpected or misshapen:
-        lines = [f"checkpoint does not match its {cfg.family} config:"]
+        lines = [f"checkpoint does not match its {config.family} config:"]
         lines += [f"  missing: {n}" for n in missing]
         lines += [f"  unexpected: {n}" for n in unexpected]
         lines += [f"  {m}" for m in misshapen]

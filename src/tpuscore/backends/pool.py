@@ -1,0 +1,39 @@
+"""A scorer's backend instances: built on first use from their registration and options."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from tpuscore import validation
+from tpuscore.backends import registry
+from tpuscore.models.model import Model
+
+
+class BackendPool:
+    """One instance per backend name for one model. Options are validated when the pool is built,
+    so a bad option fails at construction, not mid-request. Thread-safe."""
+
+    def __init__(self, model: Model, options: Mapping[str, Mapping[str, Any]] | None):
+        self.model = model
+        options = options or {}
+        self._options = {name: validation.backend_options(name, options[name]) for name in options}
+        self._instances: dict[str, registry.Backend] = {}
+        self._lock = threading.Lock()
+
+    def fresh(self) -> BackendPool:
+        """A pool of new instances (own caches and state) on the same model and options."""
+        pool = BackendPool(self.model, None)
+        pool._options = self._options
+        return pool
+
+    def get(self, name: str) -> registry.Backend:
+        with self._lock:
+            if name not in self._instances:
+                reg = registry.registration(validation.backend_name(name))
+                options = self._options.get(name)
+                if options is None and reg.options is not None:
+                    options = reg.options()
+                self._instances[name] = reg.factory(self.model, options)
+            return self._instances[name]

@@ -1,0 +1,213 @@
+"""Shared-prefix segment attention on GPUs: the segment kernel's GPU twin, in Pallas on Triton.
+
+The same function as `segment_attention.segment_attention` (same mask rule, same O(T) metadata,
+same jnp reference as oracle), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
+sequential grid axis with VMEM scratch accumulators and scalar prefetch, which Pallas's GPU
+lowerings do not support. Here the grid is (query tile, batch, kv head) and each program loops
+over KV tiles itself, carrying the online-softmax state in registers. The loop visits only the
+tiles that hold a visible key: the prefix tiles, then the tiles from the tile's first segment
+start to its last row. That is exactly the set the TPU kernel computes, so `executed_tiles_gpu`
+counts the same number.
+
+Why Triton and not Mosaic GPU: Triton runs on every CUDA GPU JAX supports (Ampere, Hopper,
+Blackwell), and its programming model (one program per output tile, a loop over KV inside) is
+what this kernel needs; Mosaic GPU targets Hopper and later and asks for explicit warpgroup and
+TMA pipelining, which would double the code for a kernel that is bound by its two matmuls.
+
+GQA: K and V tiles are loaded once per KV step and used for all G query heads of their kv head.
+Triton wants power-of-two block shapes, so the head dim is zero-padded to one in the wrapper
+(zeros change no dot product) and G is unrolled instead of reshaped.
+
+Axis letters: B batch, T tokens, N query heads, K kv heads, G = N/K, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tpuscore.kernels.segment_attention import MASK_VALUE, _first_segment_key
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Tile sizes: block_q query rows per program, block_kv keys per loop step. Triton needs
+    powers of two of at least 16 (its dot's smallest tile). num_warps and num_stages go to
+    Triton: 4 warps and 2 stages suit 64-row tiles with head dims up to 128 on A100/H100."""
+
+    block_q: int = 64
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or not _power_of_two(value):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def tile(self) -> int:
+        """The sequence length must be a multiple of this."""
+        return max(self.block_q, self.block_kv)
+
+
+def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, block_kv):
+    """One query tile of one kv head: q_ref [G, block_q, H], k/v_ref [T, H], seg_ref [block_q],
+    meta_ref [2] = (prefix_len, the tile's first segment start)."""
+    i = pl.program_id(0)
+    G, block_q, H = q_ref.shape
+    prefix_len, first_key = meta_ref[0], meta_ref[1]
+    rows = i * block_q + jnp.arange(block_q)
+    seg_start = seg_ref[...]
+    last_block = ((i + 1) * block_q - 1) // block_kv
+    # Visible tiles: [0, prefix_blocks) then [segment_from, last_block]; never past the diagonal.
+    prefix_blocks = jnp.minimum(pl.cdiv(prefix_len, block_kv), last_block + 1)
+    segment_from = jnp.maximum(prefix_blocks, first_key // block_kv)
+    qs = [q_ref[g] for g in range(G)]
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+
+    def step(j, carry):
+        k = k_ref[pl.ds(j * block_kv, block_kv), :]
+        v = v_ref[pl.ds(j * block_kv, block_kv), :]
+        cols = j * block_kv + jnp.arange(block_kv)
+        mask = (cols[None, :] <= rows[:, None]) & (
+            (cols[None, :] < prefix_len) | (cols[None, :] >= seg_start[:, None])
+        )
+        out = []
+        for q, (acc, m_prev, l_prev) in zip(qs, carry, strict=True):
+            s = jax.lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )  # fmt: skip
+            s = jnp.where(mask, s * scale, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            pv = jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                precision=precision, preferred_element_type=jnp.float32,
+            )  # fmt: skip
+            out.append((alpha[:, None] * acc + pv, m_next, alpha * l_prev + jnp.sum(p, axis=1)))
+        return tuple(out)
+
+    init = tuple(
+        (
+            jnp.zeros((block_q, H), jnp.float32),
+            jnp.full((block_q,), MASK_VALUE, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
+        for _ in range(G)
+    )
+    carry = jax.lax.fori_loop(0, prefix_blocks, step, init)
+    carry = jax.lax.fori_loop(segment_from, last_block + 1, step, carry)
+    for g, (acc, _, total) in enumerate(carry):  # every row sees its own key: total > 0
+        o_ref[g] = (acc / total[:, None]).astype(o_ref.dtype)
+    count = prefix_blocks + jnp.maximum(last_block + 1 - segment_from, 0)
+    tiles_ref[...] = jnp.full(tiles_ref.shape, count, jnp.int32)
+
+
+def _check_shapes(q, k, v, prefix_len, seg_start, block_sizes: GpuBlockSizes) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, heads, tokens, head_dim], got shape {q.shape}")
+    B, N, T, H = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4 or (x.shape[0], x.shape[2], x.shape[3]) != (B, T, H):
+            raise ValueError(
+                f"{name} must be [batch={B}, kv_heads, tokens={T}, head_dim={H}], got {x.shape}"
+            )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v kv_heads differ: {k.shape[1]} != {v.shape[1]}")
+    if N % k.shape[1]:
+        raise ValueError(f"heads={N} must be a multiple of kv_heads={k.shape[1]}")
+    if prefix_len.shape != (B,):
+        raise ValueError(f"prefix_len must be [batch={B}], got shape {prefix_len.shape}")
+    if seg_start.shape != (B, T):
+        raise ValueError(f"seg_start must be [batch={B}, tokens={T}], got {seg_start.shape}")
+    for name, block in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
+        if T % block:
+            raise ValueError(f"tokens={T} must be a multiple of {name}={block}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret):
+    _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    if interpret is None:  # on CPU there is no Triton lowering
+        interpret = jax.default_backend() != "gpu"
+    B, N, T, H = q.shape
+    K = k.shape[1]
+    G = N // K
+    bq, bkv = block_sizes.block_q, block_sizes.block_kv
+    nq = T // bq
+    Hp = max(16, pl.next_power_of_2(H))
+    if Hp != H:  # zero padding changes no dot product; the extra output columns are dropped
+        pad = [(0, 0)] * 3 + [(0, Hp - H)]
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    seg_start = seg_start.astype(jnp.int32)
+    first_key = _first_segment_key(seg_start, bq)  # [B, nq]
+    prefix = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], (B, nq))
+    meta = jnp.stack([prefix, first_key], axis=-1)  # [B, nq, 2]
+    kernel = functools.partial(_kernel, scale=1 / H**0.5, block_kv=bkv)
+    o, tiles = pl.pallas_call(
+        kernel,
+        grid=(nq, B, K),
+        in_specs=[
+            pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),
+            pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+            pl.BlockSpec((None, None, G, bq, Hp), lambda i, b, h: (b, h, 0, i, 0)),
+            pl.BlockSpec((None, None, T, Hp), lambda i, b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, T, Hp), lambda i, b, h: (b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, G, bq, Hp), lambda i, b, h: (b, h, 0, i, 0)),
+            pl.BlockSpec((None, None, None, 16), lambda i, b, h: (b, h, i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, G, T, Hp), q.dtype),
+            jax.ShapeDtypeStruct((B, K, nq, 16), jnp.int32),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+        ),
+        interpret=interpret,
+        name="segment_attention_gpu",
+    )(meta, seg_start, q.reshape(B, K, G, T, Hp), k, v)
+    return o.reshape(B, N, T, Hp)[..., :H], tiles[..., 0].sum()
+
+
+def segment_attention_gpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    prefix_len: jax.Array,
+    seg_start: jax.Array,
+    *,
+    block_sizes: GpuBlockSizes = GpuBlockSizes(),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
+    mask (prefix_len [B], seg_start [B, T]), as `segment_attention.segment_attention` computes it.
+
+    T must be a multiple of both block sizes. interpret defaults to True off GPU.
+    """
+    return _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret)[0]
+
+
+def executed_tiles_gpu(
+    q, k, v, prefix_len, seg_start, *, block_sizes=GpuBlockSizes(), interpret=None
+):
+    """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
+    return int(_segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret)[1])

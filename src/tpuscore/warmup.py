@@ -1,0 +1,96 @@
+"""Warm start: compile the jitted steps a service's requests will meet before the first arrives.
+
+A geometry is (query tokens, items, item tokens). Warming one runs a synthetic request of that
+geometry through the backend that would serve it, so every step shape it meets (after bucketing,
+chunking and batching) is compiled, and exactly those. It runs on a separate set of backend
+instances sharing the model, so the scorer's prefix cache and its statistics are untouched; the
+compiled executables are shared, since JAX caches them per function and shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from tpuscore import planning
+from tpuscore.backends.pool import BackendPool
+from tpuscore.validation import ScoreRequest, ValidationError
+
+logger = logging.getLogger(__name__)
+
+# A typical ranking service: user contexts of 64 to 1024 tokens, pages of 10 to 100 candidates of
+# about 16 tokens. A sample: the whole of 32-2048 query tokens x 1-100 items x 8-64 item tokens is
+# 952 step shapes of the default model (prefill_extend's extend shape includes the query bucket);
+# these six are 10 shapes, warmed in 56 s on a 2-core CPU (docs/benchmarks.md). Other geometries
+# compile on first use (or warm them by name).
+DEFAULT_GEOMETRIES = tuple((q, n, 16) for q in (64, 256, 1024) for n in (10, 100))
+
+
+@attrs.frozen
+class Warmed:
+    """One warmed geometry: the backend that ran it, its device steps and the seconds taken."""
+
+    geometry: tuple[int, int, int]
+    backend: str
+    steps: int
+    seconds: float
+
+
+def check_geometry(geometry: Any, where: str) -> tuple[int, int, int]:
+    """(query_tokens, num_items, item_tokens) as ints; ValidationError("invalid_geometry") unless
+    it is three ints >= 0 with num_items > 0."""
+    values = tuple(geometry) if isinstance(geometry, Sequence) else ()
+    ints = all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in values)
+    if len(values) != 3 or not ints or min(values) < 0 or values[1] == 0:
+        raise ValidationError(
+            "invalid_geometry",
+            f"{where} must be (query_tokens, num_items > 0, item_tokens), ints, got {geometry!r}",
+            where,
+        )
+    return tuple(int(n) for n in values)
+
+
+def warm(
+    pool: BackendPool,
+    prepare: Callable[..., ScoreRequest],
+    selector: planning.Selector,
+    backends: Sequence[str],
+    geometries: Iterable[Any],
+) -> list[Warmed]:
+    """Run one synthetic request per geometry on each of `backends` ("auto": the backend `score`
+    would pick for it), logging the time each takes.
+
+    Every geometry is checked, as `prepare` checks a request, before any runs; an error's param
+    names it ("geometries[2]", "geometries[2].items"). Each geometry runs on new backend
+    instances (`pool.fresh()`), so it meets the steps of a cold request and leaves the scorer's
+    caches and counters alone."""
+    requests = []
+    for i, geometry in enumerate(geometries):
+        where = f"geometries[{i}]"
+        query_len, count, item_len = check_geometry(geometry, where)
+        ids = np.arange(query_len + count * item_len) % pool.model.config.vocab_size
+        items = ids[query_len:].reshape(count, item_len).tolist()
+        try:
+            request = prepare(ids[:query_len].tolist(), items, label_token_ids=[0])
+        except ValidationError as e:
+            raise e.within(where) from None
+        requests.append(((query_len, count, item_len), request))
+
+    warmed = []
+    for geometry, request in requests:
+        fresh = pool.fresh()  # empty caches: the geometry runs cold, as a new request would
+        for name in backends:
+            ((group, chosen),) = planning.plan([request], name, selector, pool.model)
+            start = time.perf_counter()
+            stats = fresh.get(chosen).score(group.batch).stats
+            seconds = time.perf_counter() - start
+            logger.info(
+                "warmed %s on %s: %d steps in %.2f s", geometry, chosen, stats.steps, seconds
+            )
+            warmed.append(Warmed(geometry, chosen, stats.steps, seconds))
+    return warmed

@@ -1,0 +1,124 @@
+"""Every jitted step of every backend lowers for TPU and for CUDA GPUs, in float32 and bfloat16.
+
+Lowering runs here on CPU from abstract shapes (no weights, no device): it proves that the code
+lowers for those platforms (a TPU user's first call would otherwise fail there), not that XLA
+compiles it or how fast it runs. TPU lowering goes through `jax.export`, which also checks the
+module can be serialized; the Triton GPU kernel has no serializable form, so CUDA lowering goes
+through `jit(...).trace(...).lower(lowering_platforms=...)`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpuscore.backends import packed, prefill_extend, serial
+from tpuscore.kernels.segment_attention import BlockSizes
+from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.decoder import Prefix
+from tpuscore.models.weights import param_shapes
+
+SMOLLM2_135M = ModelConfig(  # the default model's (test_default_model.py checks it)
+    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+QWEN3_0_6B = ModelConfig(
+    family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+    num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+)  # fmt: skip
+MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen3-0.6b": QWEN3_0_6B}
+S = jax.ShapeDtypeStruct
+i32, f32 = jnp.int32, jnp.float32
+
+
+@pytest.fixture(params=["v5e", "v6e"])
+def tpu_chip(request):
+    """Lowering a Pallas TPU kernel asks for the chip's profile. Test only: register one under
+    this CPU's device kind, and remove it afterwards."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    kind = jax.devices()[0].device_kind
+    version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}
+    tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(version[request.param], 1)
+    jax.clear_caches()
+    yield request.param
+    del tpu_info.registry[kind]
+    jax.clear_caches()
+
+
+def steps(config: ModelConfig, dtype, platform: str) -> dict:
+    """step name -> (function, abstract arguments), at small bucket shapes."""
+    params = jax.tree.map(
+        lambda shape: S(shape, dtype), param_shapes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    L, K, H, D = config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size
+    prefix = Prefix(S((L, K, H, 256), dtype), S((L, K, 256, H), dtype), S((), i32), S((D,), f32))
+    Q = 4  # stacked prefixes: queries of one prefill or mixed extend step
+    prefixes = Prefix(
+        S((L, Q, K, H, 256), dtype), S((L, Q, K, 256, H), dtype), S((Q,), i32), S((Q, D), f32)
+    )
+    labels = S((16,), i32)
+    B, T = 2, 512  # packed rows of several requests
+    packed_args = (
+        params,
+        *(S((B, T), i32), S((B, T), i32), S((B,), i32), S((B, T), i32), S((B, 32), i32)),
+    )
+    kernel_tiles = GpuBlockSizes() if platform == "cuda" else BlockSizes()
+
+    def with_config(f, **static):
+        return functools.partial(f, config=config, **static)
+
+    return {
+        "serial": (
+            with_config(serial.score_sequences),
+            (params, S((8, 64), i32), S((8,), i32), labels),
+        ),
+        "prefill": (
+            with_config(prefill_extend.prefill, size=384),
+            (params, prefix, S((1, 128), i32), S((), i32)),
+        ),
+        "prefill_rows": (
+            with_config(prefill_extend.prefill_rows, size=384),
+            (params, prefixes, S((Q, 128), i32), S((Q,), i32)),
+        ),
+        "extend": (
+            with_config(prefill_extend.score_items),
+            (params, prefix, S((64, 24), i32), S((64,), i32), labels),
+        ),
+        "extend_mixed": (
+            with_config(prefill_extend.score_mixed_items),
+            (params, prefixes, S((64,), i32), S((64, 24), i32), S((64,), i32), S((64, 16), i32)),
+        ),
+        "packed_dense": (
+            with_config(packed.score_packed, block_sizes=None),
+            (*packed_args, S((B, 16), i32)),
+        ),
+        "packed_segment": (
+            with_config(packed.score_packed, block_sizes=kernel_tiles, interpret=False),
+            (*packed_args, S((B, 16), i32)),
+        ),
+    }
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_step_lowers_for_tpu(tpu_chip, model, dtype):
+    for name, (f, args) in steps(MODELS[model], DTYPES[dtype], "tpu").items():
+        exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
+        text = exported.mlir_module()
+        assert ("tpu_custom_call" in text) == (name == "packed_segment"), name  # Mosaic kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_step_lowers_for_cuda(model, dtype):
+    for name, (f, args) in steps(MODELS[model], DTYPES[dtype], "cuda").items():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("triton" in text) == (name == "packed_segment"), name  # the Triton kernel

@@ -1,0 +1,122 @@
+"""The GPU (Triton) segment kernel: interpret mode against the jnp reference, the same tiles as
+the TPU kernel, and a CUDA lowering for the model geometries it serves."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_segment_attention import layout, random_qkv
+from tpuscore.kernels.segment_attention import (
+    BlockSizes,
+    executed_tiles,
+    segment_attention_reference,
+    segment_mask,
+)
+from tpuscore.kernels.segment_attention_gpu import (
+    GpuBlockSizes,
+    executed_tiles_gpu,
+    segment_attention_gpu,
+)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 3]),
+    tiles=st.integers(1, 3),
+    block_q=st.sampled_from([16, 32, 64]),
+    max_segment=st.sampled_from([3, 40, 300]),  # shorter than a tile, spanning tiles
+    prefix_frac=st.floats(0, 1),
+    padding=st.integers(0, 60),
+    head_dim=st.sampled_from([10, 16]),  # 10: zero-padded to a power of two
+)
+def test_kernel_equals_reference(
+    seed, batch, kv_heads, group, tiles, block_q, max_segment, prefix_frac, padding, head_dim
+):
+    rng = np.random.default_rng(seed)
+    tokens = 64 * tiles
+    padding = min(padding, tokens - 1)
+    prefix_lens = [int(prefix_frac * (tokens - padding)) for _ in range(batch)]
+    seg_start = np.stack([layout(rng, tokens, p, max_segment, padding) for p in prefix_lens])
+    q, k, v = random_qkv(rng, batch, kv_heads * group, kv_heads, tokens, head_dim)
+    args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start))
+    got = segment_attention_gpu(*args, block_sizes=GpuBlockSizes(block_q, 64), interpret=True)
+    np.testing.assert_allclose(got, segment_attention_reference(*args), atol=1e-5, rtol=0)
+
+
+def test_bfloat16_inputs_track_the_float32_reference(rng):
+    q, k, v = random_qkv(rng, 1, 4, 2, 128, 32, jnp.bfloat16)
+    seg_start = layout(rng, 128, 50, 20, 10)[None]
+    args = (q, k, v, jnp.array([50]), jnp.asarray(seg_start))
+    got = segment_attention_gpu(*args, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    expected = segment_attention_reference(*args).astype(jnp.float32)
+    np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("query_len, max_len", [(200, 30), (40, 150)])
+def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len):
+    lens = rng.integers(5, max_len + 1, size=24)
+    tokens = -(-(query_len + lens.sum()) // 128) * 128
+    seg_start = np.arange(tokens, dtype=np.int32)
+    seg_start[:query_len] = 0
+    for start, n in zip(query_len + np.cumsum(lens) - lens, lens, strict=True):
+        seg_start[start : start + n] = start
+    q, k, v = random_qkv(rng, 1, 2, 1, tokens, 16)
+    args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]))
+    gpu = executed_tiles_gpu(*args, block_sizes=GpuBlockSizes(32, 128), interpret=True)
+    tpu = executed_tiles(*args, block_sizes=BlockSizes(32, 128), interpret=True)
+    mask = np.asarray(segment_mask(args[3], args[4], tokens))[0]
+    visible = mask.reshape(tokens // 32, 32, tokens // 128, 128).any(axis=(1, 3)).sum()
+    assert gpu == tpu == visible
+
+
+HEADS = {  # (heads, kv heads, head dim)
+    "smollm2-135m": (9, 3, 64),
+    "qwen3-0.6b": (16, 8, 128),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("model", HEADS)
+def test_lowers_for_cuda(model, dtype):
+    heads, kv_heads, head_dim = HEADS[model]
+    tokens = 512
+    shape = jax.ShapeDtypeStruct
+    args = (
+        shape((1, heads, tokens, head_dim), dtype),
+        shape((1, kv_heads, tokens, head_dim), dtype),
+        shape((1, kv_heads, tokens, head_dim), dtype),
+        shape((1,), jnp.int32),
+        shape((1, tokens), jnp.int32),
+    )
+    f = functools.partial(segment_attention_gpu, interpret=False)
+    # jax.export refuses to serialize Triton calls (no stable format), so lower without export.
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"block_q": 24}, "block_q must be a power of two >= 16"),
+        ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
+        ({"num_warps": 0}, "num_warps must be a positive int"),
+    ],
+)
+def test_block_sizes_are_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GpuBlockSizes(**fields)
+
+
+def test_tokens_must_fill_whole_tiles():
+    q, k, v = (jnp.zeros((1, 2, 96, 16)) for _ in range(3))
+    with pytest.raises(ValueError, match="tokens=96 must be a multiple of block_q=64"):
+        segment_attention_gpu(q, k, v, jnp.zeros(1, jnp.int32), jnp.zeros((1, 96), jnp.int32))
