@@ -1,0 +1,393 @@
+"""The `tpuscore` command: score, rank and loglikelihood over JSON; serve; bench.
+
+    echo '{"query": "The capital of France is", "items": [""], "labels": [" Paris"]}' \\
+        | tpuscore score
+    tpuscore score requests.jsonl > results.jsonl
+    tpuscore rank --model Qwen/Qwen3-Reranker-0.6B query.json
+    tpuscore loglikelihood questions.jsonl
+    tpuscore serve --port 8000
+    tpuscore bench
+
+Input is read from a file, or from stdin when the file is "-" or left out. It is JSON, one
+request object or a list of them, or JSON Lines, one request object per line. A request object
+holds the keyword arguments of the matching Python method (`Scorer.score`, `Scorer.rank`,
+`Scorer.loglikelihood`). Output is JSON on stdout: one result object for one request object, a
+list for a list, one result per line for JSON Lines.
+
+Every request is checked before any runs, and no result is written unless all succeed. Bad
+input (a missing file, malformed JSON, an unknown field, a `ValidationError`) prints one line on
+stderr and exits with status 2, as argparse does for a bad command line; a model that cannot be
+loaded does too. Status 1 means an environment problem: a missing extra, or no benchmark script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+USAGE_ERROR = 2  # bad input or arguments, as argparse exits
+ENVIRONMENT_ERROR = 1  # what the command needs is not installed
+
+
+class InputError(Exception):
+    """Bad input from the user: reported as one line on stderr, exit status 2."""
+
+
+class EnvironmentProblem(Exception):
+    """Something the command needs is missing: one line on stderr, exit status 1."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except InputError as e:
+        return _fail(str(e), USAGE_ERROR)
+    except EnvironmentProblem as e:
+        return _fail(str(e), ENVIRONMENT_ERROR)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"tpuscore: error: {message}", file=sys.stderr)
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add = common.add_argument
+    add(
+        "--model",
+        help="a Hugging Face directory or hub id, a .gguf file, a directory written by "
+        "Scorer.save; default: the embedded SmolLM2-135M-Instruct",
+    )
+    add(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="default: float32 on CPU, bfloat16 on accelerators",
+    )
+    add("--backend", default="auto", help="a registered backend name (default: auto)")
+    add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    # The shared options go on each subcommand only: on the main parser too, a subcommand's
+    # defaults would overwrite what was given before it.
+    parser = argparse.ArgumentParser(prog="tpuscore", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], help: str):
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run, command=name)
+        return p
+
+    for name, help in [
+        ("score", "log P(label | query + item) for each request (Scorer.score's fields)"),
+        ("rank", "items sorted by score for each request (Scorer.rank's fields)"),
+        (
+            "loglikelihood",
+            "log P(continuation | context) for each request "
+            "(Scorer.loglikelihood's fields: context, continuations)",
+        ),
+    ]:
+        p = command(name, _run_requests, help)
+        p.add_argument(
+            "input", nargs="?", default="-", help="JSON or JSON Lines file; default or '-': stdin"
+        )
+
+    p = command("serve", _run_serve, "serve SGLang's /v1/score and the rerank API over HTTP")
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
+    add("--port", type=int, default=8000)
+    add("--served-model-name", help="the name /v1/models lists and responses carry")
+    add(
+        "--rerank-template",
+        default="plain",
+        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
+    )
+    add("--max-body-bytes", type=int, default=16 << 20, help="largest request body (16 MiB)")
+    add("--max-items", type=int, default=4096, help="most items or documents per request")
+    add(
+        "--max-wait-ms",
+        type=float,
+        default=2.0,
+        help="how long the batcher waits for more requests before it runs a batch",
+    )
+    add("--max-batch-tokens", type=int, help="the batcher's token budget per batch")
+    add(
+        "--max-pending",
+        type=int,
+        help="unfinished requests (queued or running) beyond which the server answers 503",
+    )
+
+    p = command(
+        "bench",
+        _run_bench,
+        "run benchmarks/bench.py (quick mode unless --full) "
+        "from a source checkout, on the embedded default model",
+    )
+    p.add_argument("--full", action="store_true", help="every geometry, not the quick mode")
+    p.add_argument("--script", type=Path, help="the bench.py to run (default: the checkout's)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to bench.py")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# score, rank, loglikelihood
+
+
+@attrs.frozen
+class Request:
+    """One request object and where it came from, for error messages."""
+
+    where: str
+    fields: dict[str, Any]
+
+
+def read_requests(text: str, source: str) -> tuple[list[Request], str]:
+    """The request objects in `text`, and the input's shape: "object", "list" or "lines".
+
+    A text that parses as one JSON value is JSON; otherwise, if its first line parses alone,
+    it is JSON Lines, one object per non-blank line.
+    """
+    if not text.strip():
+        raise InputError(f"{source}: no input (expected JSON or JSON Lines)")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as whole:
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if len(lines) < 2 or not _parses(lines[0][1]):
+            raise InputError(f"{source}: invalid JSON: {whole}") from None
+        requests = []
+        for n, line in lines:
+            where = f"{source}, line {n}"
+            try:
+                requests.append(Request(where, _object(json.loads(line), where)))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        return requests, "lines"
+    if isinstance(value, list):
+        where = [f"{source}, request {i}" for i in range(len(value))]
+        return [Request(w, _object(v, w)) for w, v in zip(where, value, strict=True)], "list"
+    return [Request(source, _object(value, source))], "object"
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: a request must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_input(path: str) -> tuple[str, str]:
+    """(text, name for messages) of a file, or of stdin for "-"."""
+    if path == "-":
+        data, source = sys.stdin.buffer.read(), "<stdin>"
+    else:
+        try:
+            data, source = Path(path).read_bytes(), path
+        except OSError as e:
+            raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8"), source
+    except UnicodeDecodeError as e:
+        raise InputError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def load_scorer(args: argparse.Namespace):
+    """The Scorer for --model/--dtype/--backend; a model that cannot be loaded is bad input."""
+    from tpuscore import Scorer
+
+    try:
+        return Scorer.from_pretrained(args.model, dtype=args.dtype, backend=args.backend)
+    except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
+        name = "the default model" if args.model is None else repr(args.model)
+        raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
+
+
+def _run_requests(args: argparse.Namespace) -> int:
+    text, source = _read_input(args.input)
+    requests, shape = read_requests(text, source)  # before the model loads: fail fast
+    scorer = load_scorer(args)
+    outputs = COMMANDS[args.command](scorer, requests)
+    if shape == "object":
+        print(_dumps(outputs[0]))
+    elif shape == "list":
+        print(_dumps(outputs))
+    else:
+        sys.stdout.write("".join(_dumps(out) + "\n" for out in outputs))
+    return 0
+
+
+def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
+    """All requests validated first, then run together: requests sharing a query share work."""
+    from tpuscore import ValidationError
+
+    prepared = [
+        _call(request, scorer.prepare, skip={"backend"}, what="Scorer.score")
+        for request in requests
+    ]
+    try:
+        results = scorer.run(prepared)
+    except ValidationError as e:  # a backend that cannot run these requests
+        raise InputError(_validation_message(e)) from None
+    return [
+        {
+            "scores": r.scores.tolist(),
+            "logprobs": r.logprobs.tolist(),
+            "backend": r.backend,
+            "num_tokens": r.num_tokens,
+        }
+        for r in results
+    ]
+
+
+def _rank(scorer, requests: list[Request]) -> list[dict[str, Any]]:
+    outputs = []
+    for request in requests:
+        ranked = _call(request, scorer.rank, skip=set(), what="Scorer.rank")
+        outputs.append({"results": [_jsonable(item) for item in ranked]})
+    return outputs
+
+
+def _loglikelihood(scorer, requests: list[Request]) -> list[dict[str, Any]]:
+    outputs = []
+    for request in requests:
+        results = _call(request, scorer.loglikelihood, skip=set(), what="Scorer.loglikelihood")
+        outputs.append({"results": [_jsonable(r) for r in results]})
+    return outputs
+
+
+COMMANDS = {"score": _score, "rank": _rank, "loglikelihood": _loglikelihood}
+
+
+def _call(request: Request, method: Callable[..., Any], *, skip: set[str], what: str) -> Any:
+    """method(**request.fields), with unknown fields and ValidationError reported as bad input."""
+    from tpuscore import ValidationError
+
+    accepted = [p for p in inspect.signature(method).parameters if p not in skip]
+    unknown = sorted(set(request.fields) - set(accepted))
+    if unknown:
+        raise InputError(
+            f"{request.where}: unknown field {unknown[0]!r}; {what} takes {', '.join(accepted)}"
+        )
+    try:
+        return method(**request.fields)
+    except ValidationError as e:
+        raise InputError(f"{request.where}: {_validation_message(e)}") from None
+    except TypeError as e:  # a required field left out
+        raise InputError(f"{request.where}: {e}") from None
+
+
+def _validation_message(e: Exception) -> str:
+    return f"{e} [code {getattr(e, 'code', None)}, param {getattr(e, 'param', None)}]"
+
+
+def _jsonable(value: Any) -> Any:
+    """attrs/dataclass objects, numpy values and tuples as plain JSON values."""
+    if attrs.has(type(value)):
+        return {k: _jsonable(v) for k, v in attrs.asdict(value, recurse=False).items()}
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: _jsonable(getattr(value, k)) for k in value.__dataclass_fields__}
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve, bench
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from tpuscore import server
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"tpuscore serve needs the server extra ({e.name} is missing): "
+            "pip install 'tpuscore[server]'"
+        ) from None
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    scorer = load_scorer(args)
+    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
+    if args.max_pending is not None:
+        batcher_options["max_pending"] = args.max_pending
+    try:
+        app = server.create_app(
+            scorer,
+            model_name=args.served_model_name or server.model_name(args.model),
+            rerank_template=args.rerank_template,
+            max_body_bytes=args.max_body_bytes,
+            max_items=args.max_items,
+            batcher_options=batcher_options,
+        )
+    except ValueError as e:  # a bad flag value: template name, limits
+        raise InputError(str(e)) from None
+    print(
+        f"tpuscore: serving {app.state.service.model_name} on http://{args.host}:{args.port} "
+        "(POST /v1/score /v1/rerank /v2/rerank, GET /health /v1/models /metrics)",
+        file=sys.stderr,
+    )
+    server.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def bench_script() -> Path | None:
+    """benchmarks/bench.py of the source checkout tpuscore runs from, if it is one."""
+    import tpuscore
+
+    for root in (Path(tpuscore.__file__).resolve().parents[2], Path.cwd()):
+        script = root / "benchmarks" / "bench.py"
+        if script.is_file():
+            return script
+    return None
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        raise InputError("bench runs on the embedded default model; --model is not supported")
+    script = args.script or bench_script()
+    if script is None or not Path(script).is_file():
+        raise EnvironmentProblem(
+            "tpuscore bench runs benchmarks/bench.py, which ships with the source repository and "
+            "not in the wheel: run it from a checkout, or pass --script path/to/bench.py"
+        )
+    command = [sys.executable, str(script)]
+    if not args.full:
+        command.append("--quick")
+    if args.dtype:
+        command += ["--dtype", args.dtype]
+    command += [a for a in args.bench_args if a != "--"]
+    print("running:", " ".join(command), file=sys.stderr)
+    return subprocess.run(command, env=os.environ.copy(), check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

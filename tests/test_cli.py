@@ -1,0 +1,171 @@
+"""The `tpuscore` command line: JSON in, JSON out, bad input as one line on stderr and status 2.
+
+Two tests run the command in a subprocess (each loads JAX and a tiny checkpoint, several
+seconds); the rest call `cli.main` in this process, which runs the same code.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tpuscore
+from helpers import random_tokens
+from tpuscore import cli
+
+CASE = "qwen3_qknorm"
+
+
+def run_cli(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m tpuscore.cli ARGS` on the tpuscore this test imports, in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=str(Path(tpuscore.__file__).parents[1]))
+    return subprocess.run(
+        [sys.executable, "-m", "tpuscore.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def test_score_json_lines_from_stdin_equal_the_scorer(scorers, checkpoint_dir, rng):
+    scorer = scorers(CASE)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 12, vocab)
+    requests = [
+        {
+            "query": query,
+            "items": [random_tokens(rng, n, vocab) for n in (3, 5)],
+            "label_token_ids": [4, 9],
+        },
+        {
+            "query": query,
+            "items": [random_tokens(rng, 2, vocab)],
+            "label_token_ids": [4, 9],
+            "apply_softmax": True,
+        },
+        {"query": "the fox", "items": [" jumps", " sleeps"], "labels": ["x", "e"]},
+    ]
+    stdin = "\n".join(json.dumps(r) for r in requests) + "\n\n"  # a blank line is skipped
+    done = run_cli("score", "--model", str(checkpoint_dir(CASE)), stdin=stdin)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(requests)
+    for request, line in zip(requests, lines, strict=True):
+        out = json.loads(line)
+        expected = scorer.score(**request)
+        np.testing.assert_allclose(out["logprobs"], expected.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out["scores"], expected.scores, rtol=1e-4, atol=1e-7)
+        assert out["backend"] == expected.backend and out["num_tokens"] > 0
+
+
+def test_validation_error_is_one_line_and_status_2(checkpoint_dir, tmp_path):
+    path = tmp_path / "requests.json"
+    path.write_text(
+        json.dumps(
+            [
+                {"query": "a", "items": ["b"], "label_token_ids": [1]},
+                {"query": "a", "items": ["b"], "label_token_ids": [10**6]},
+            ]
+        )
+    )
+    done = run_cli("score", "--model", str(checkpoint_dir(CASE)), str(path))
+    assert done.returncode == 2
+    assert done.stdout == ""  # no result is written unless every request succeeds
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "request 1" in done.stderr and "token_id_exceeds_vocab" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"query": "x", "items": [', "invalid JSON"),
+        ('{"query": "x", "items": []}\n{"query": ', "line 2: invalid JSON"),
+        ("[1]", "request 0: a request must be a JSON object, got int"),
+        ("   \n", "no input"),
+    ],
+)
+def test_malformed_input_fails_before_the_model_loads(text, message, tmp_path, capsys):
+    path = tmp_path / "in.json"
+    path.write_text(text)
+    # --model names no model: the input is refused before loading is tried.
+    assert cli.main(["score", "--model", str(tmp_path / "missing"), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_file_and_model(tmp_path, checkpoint_dir, capsys):
+    assert cli.main(["score", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1]}')
+    assert cli.main(["score", "--model", str(tmp_path / "missing"), str(path)]) == 2
+    assert "cannot load" in capsys.readouterr().err
+
+
+def test_unknown_field_names_the_accepted_ones(checkpoint_dir, tmp_path, capsys):
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1], "lables": [" x"]}')
+    assert cli.main(["score", "--model", str(checkpoint_dir(CASE)), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown field 'lables'" in err and "label_token_ids" in err
+
+
+def test_rank_equals_scorer_rank(scorers, checkpoint_dir, tmp_path, capsys):
+    scorer = scorers(CASE)
+    request = {
+        "query": "Which passage is about a fox?",
+        "items": ["The quick brown fox.", "The market opens early.", "A lazy dog."],
+        "labels": ["y", "n"],  # single tokens in the tiny tokenizer (" yes" is not)
+        "top_k": 2,
+    }
+    path = tmp_path / "rank.json"
+    path.write_text(json.dumps(request))
+    assert cli.main(["rank", "--model", str(checkpoint_dir(CASE)), str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = scorer.rank(**request)
+    assert [r["index"] for r in out["results"]] == [r.index for r in expected]
+    assert [r["item"] for r in out["results"]] == [r.item for r in expected]
+    np.testing.assert_allclose(
+        [r["score"] for r in out["results"]], [r.score for r in expected], rtol=1e-4, atol=1e-7
+    )
+
+
+def test_loglikelihood_equals_scorer(scorers, checkpoint_dir, tmp_path, capsys):
+    scorer = scorers(CASE)
+    requests = [
+        {"context": "The capital of France is", "continuations": [" Paris", " a city"]},
+        {"context": "2 + 2 =", "continuations": [" 4"]},
+    ]
+    path = tmp_path / "ll.json"
+    path.write_text(json.dumps(requests))
+    assert cli.main(["loglikelihood", "--model", str(checkpoint_dir(CASE)), str(path)]) == 0
+    outs = json.loads(capsys.readouterr().out)
+    assert len(outs) == len(requests)
+    for request, out in zip(requests, outs, strict=True):
+        expected = scorer.loglikelihood(**request)
+        assert len(out["results"]) == len(expected)
+        for got, want in zip(out["results"], expected, strict=True):
+            assert got["logprob"] == pytest.approx(float(want.logprob), abs=1e-4)
+            assert got["is_greedy"] == bool(want.is_greedy)
+
+
+def test_bench_finds_the_checkout_script_or_says_why_not(tmp_path, capsys):
+    assert cli.bench_script() == Path(tpuscore.__file__).parents[2] / "benchmarks" / "bench.py"
+    assert cli.main(["bench", "--script", str(tmp_path / "bench.py")]) == 1
+    assert "not in the wheel" in capsys.readouterr().err
+    assert cli.main(["bench", "--model", "x"]) == 2
+
+
+def test_serve_refuses_an_unknown_template_before_listening(checkpoint_dir, capsys):
+    status = cli.main(
+        ["serve", "--model", str(checkpoint_dir(CASE)), "--rerank-template", "nope", "--port", "0"]
+    )
+    assert status == 2
+    assert "nope" in capsys.readouterr().err
