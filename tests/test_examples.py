@@ -1,11 +1,12 @@
 """Every example runs to completion on the embedded default model, as a user would run it.
 
-The four run at once, as subprocesses started by one module fixture: each spends most of its
+The five run at once, as subprocesses started by one module fixture: each spends most of its
 time loading the model, so together they take about as long as the slowest, not the sum.
 """
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -22,7 +23,18 @@ EXPECTED = {
     "rerank.py": ["(template 'plain')", "[1] Paris is the capital"],
     "classify.py": ["-> sports", "-> technology"],
     "multiple_choice.py": ["acc ", "honey", "predicted"],
+    "serve_client.py": ["POST /v1/score", "usage:", "POST /v1/rerank (top_n 2)"],
 }
+
+
+def arguments(name: str) -> list[str]:
+    """serve_client starts its own server where none answers: on a free port, not 8000."""
+    if name != "serve_client.py":
+        return []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["--url", f"http://127.0.0.1:{port}"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +46,7 @@ def runs(default_model_path, tmp_path_factory):
     for name in EXPECTED:
         log = open(out_dir / f"{name}.log", "w+")  # noqa: SIM115 (closed below)
         process = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / name)],
+            [sys.executable, str(ROOT / "examples" / name), *arguments(name)],
             cwd=ROOT,
             env=env,
             stdout=log,
