@@ -61,7 +61,7 @@ def _requests(rng, scorer, n: int, *, serial: bool = True) -> list[dict]:
 
 def assert_as_alone(batched, alone) -> None:
     """A batched result against its request scored alone: a batch mixes queries in its device
-    steps, so the padded shapes differ and float32 rounding may too (the README's guarantee:
+    steps, so the padded shapes differ and float32 rounding may too (docs/backends.md's guarantee:
     within 1e-5)."""
     np.testing.assert_allclose(batched, alone, atol=1e-5, rtol=0)
 
@@ -118,9 +118,7 @@ def test_past_max_pending_a_submission_is_refused_at_once(scorer, rng):
         assert time.monotonic() - start < 1.0 and isinstance(Overloaded(3), RuntimeError)
         gate.set()
         for future, request in zip(futures, requests[:3], strict=True):
-            assert_as_alone(
-                future.result(WAIT_S).logprobs, scorer.score(**request).logprobs
-            )
+            assert_as_alone(future.result(WAIT_S).logprobs, scorer.score(**request).logprobs)
         again = batcher.score(**requests[3])  # room again
         assert_as_alone(again.logprobs, scorer.score(**requests[3]).logprobs)
 
@@ -174,9 +172,7 @@ def test_a_backend_failure_reaches_only_the_callers_of_its_step(scorer, rng):
             with pytest.raises(RuntimeError, match="injected backend failure"):
                 future.result(WAIT_S)
         for future, request in zip([first, *others], [requests[0], *requests[4:]], strict=True):
-            assert_as_alone(
-                future.result(WAIT_S).logprobs, scorer.score(**request).logprobs
-            )
+            assert_as_alone(future.result(WAIT_S).logprobs, scorer.score(**request).logprobs)
         assert spy.runs[1:] == [3, 3]  # one batch, one run per backend
         after = batcher.score(**requests[1])  # the worker keeps serving
         assert_as_alone(after.logprobs, scorer.score(**requests[1]).logprobs)

@@ -162,7 +162,7 @@ class Scorer:
 
         Raises:
             ValidationError: any bad input, before anything runs; its `code` says which (the
-                README lists them) and `param` names the argument.
+                docs/api.md lists them) and `param` names the argument.
         """
         request = self.prepare(
             query,
