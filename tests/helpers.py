@@ -1,5 +1,7 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
+import copy
+
 import numpy as np
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -23,3 +25,12 @@ def compile_events() -> list[str]:
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(0, vocab, size=n).tolist()
+
+
+def fresh(scorer):
+    """A scorer on the same model with its own backends, so an empty prefix cache: the session's
+    shared scorers hold other tests' queries, and a partial prefix hit runs other steps (same
+    scores within rounding, not bit for bit)."""
+    shared = copy.copy(scorer)
+    shared.backends = scorer.backends.fresh()
+    return shared

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers import fresh
 from tpuscore import (
     CheckpointMismatchError,
     DefaultModelMissingError,
@@ -31,7 +32,8 @@ def test_orbax_round_trip_is_exact(case, scorers, tmp_path):
     )
     assert all(jax.tree.leaves(same))
     np.testing.assert_array_equal(
-        restored.score(QUERY, ITEMS, LABELS).logprobs, scorer.score(QUERY, ITEMS, LABELS).logprobs
+        restored.score(QUERY, ITEMS, LABELS).logprobs,
+        fresh(scorer).score(QUERY, ITEMS, LABELS).logprobs,
     )
 
 
@@ -49,7 +51,8 @@ def test_bfloat16_round_trip(scorers, tmp_path):
     restored = Scorer.from_pretrained(tmp_path / "bf16", dtype="bfloat16")
     assert jax.tree.leaves(restored.params)[0].dtype == np.dtype("bfloat16")
     np.testing.assert_array_equal(
-        restored.score(QUERY, ITEMS, LABELS).logprobs, scorer.score(QUERY, ITEMS, LABELS).logprobs
+        restored.score(QUERY, ITEMS, LABELS).logprobs,
+        fresh(scorer).score(QUERY, ITEMS, LABELS).logprobs,
     )
 
 
@@ -67,7 +70,7 @@ def test_hub_id_loads_offline_from_a_populated_cache(
     )
     np.testing.assert_array_equal(
         scorer.score(QUERY, ITEMS, LABELS).logprobs,
-        scorers("qwen3_qknorm").score(QUERY, ITEMS, LABELS).logprobs,
+        fresh(scorers("qwen3_qknorm")).score(QUERY, ITEMS, LABELS).logprobs,
     )
     with pytest.raises(Exception, match="(?i)cache|offline|not found|local"):
         Scorer.from_pretrained("tiny-org/absent", local_files_only=True, cache_dir=tmp_path / "hub")

@@ -1,12 +1,10 @@
 """score()'s item_suffix, max_item_tokens and truncate, and text that is not valid Unicode: each
 equals serial scoring of the tokens built by hand, and each bad value has its own code."""
 
-import copy
-
 import numpy as np
 import pytest
 
-from helpers import random_tokens
+from helpers import fresh, random_tokens
 from tpuscore import ValidationError, backends
 from tpuscore.backends import BackendOutput, StepStats
 
@@ -31,9 +29,7 @@ class SpyBackend:
 def scorer(scorers):
     backends.register("spy", SpyBackend)
     SpyBackend.calls = 0
-    shared = copy.copy(scorers(CASE))
-    shared.backends = shared.backends.fresh()  # an empty prefix cache: token counts are exact
-    return shared
+    return fresh(scorers(CASE))  # an empty prefix cache: token counts are exact
 
 
 def encode(scorer, text, special=False):
