@@ -12,7 +12,7 @@ ITEM_FIRST_BACKENDS = ("serial", "reference")  # the others need the query first
 ATOL = 1e-4  # float32
 
 
-@pytest.mark.parametrize("query_len", [1, 40, 300])
+@pytest.mark.parametrize("query_len", [1, 300])
 def test_token_inputs_match_transformers(case, checkpoint_dir, scorers, rng, query_len):
     scorer = scorers(case)
     vocab = scorer.config.vocab_size
@@ -40,7 +40,7 @@ def test_item_first_matches_transformers(case, checkpoint_dir, scorers, rng):
 TEXT_ITEMS = ["", " yes", " the lazy dog", " naïve café 東京 🙂", "\n\n  spaced   out\t"]
 
 
-@pytest.mark.parametrize("query_words", [1, 12, 120])
+@pytest.mark.parametrize("query_words", [1, 120])
 def test_text_inputs_match_transformers(case, checkpoint_dir, scorers, rng, query_words):
     scorer = scorers(case)
     words = ["fox", "market", "Paris", "token", "model", "the", "é", "42"]

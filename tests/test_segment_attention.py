@@ -47,7 +47,7 @@ def random_qkv(rng, batch, heads, kv_heads, tokens, head_dim, dtype=jnp.float32)
     )
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     batch=st.integers(1, 2),
