@@ -4,25 +4,12 @@ equals serial scoring of the tokens built by hand, and each bad value has its ow
 import numpy as np
 import pytest
 
-from helpers import fresh, random_tokens
+from helpers import SpyBackend, fresh, random_tokens
 from tpuscore import ValidationError, backends
-from tpuscore.backends import BackendOutput, StepStats
 
 CASE = "llama3_rope_tied"  # its tokenizer adds a BOS: the suffix must not get one
 VOCAB = 313  # tokenizer vocabulary (the model's is 331)
 ATOL = 1e-4
-
-
-class SpyBackend:
-    calls = 0
-
-    def __init__(self, model, options):
-        pass
-
-    def score(self, batch):
-        SpyBackend.calls += 1
-        shape = (batch.items.shape[0], batch.label_ids.shape[0])
-        return BackendOutput(np.zeros(shape, np.float32), np.ones(shape[0], bool), StepStats())
 
 
 @pytest.fixture

@@ -3,22 +3,10 @@
 import numpy as np
 import pytest
 
+from helpers import SpyBackend
 from tpuscore import ValidationError, backends
-from tpuscore.backends import BackendOutput, StepStats
 
 CASE = "llama_gqa_untied"  # vocab 331, max_position_embeddings 512
-
-
-class SpyBackend:
-    calls = 0
-
-    def __init__(self, model, options):
-        pass
-
-    def score(self, batch):
-        SpyBackend.calls += 1
-        shape = (batch.items.shape[0], batch.label_ids.shape[0])
-        return BackendOutput(np.zeros(shape, np.float32), np.ones(shape[0], bool), StepStats())
 
 
 @pytest.fixture
