@@ -47,12 +47,13 @@ from tpuscore.backends.prefill_extend import (
     PrefillExtendBackend,
     bucket_item_tokens,
 )
-from tpuscore.buckets import bucket_count, pow2_floor
+from tpuscore.buckets import pow2_floor
 from tpuscore.errors import ValidationError
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import Params
+from tpuscore.sharding import to_host
 
 if TYPE_CHECKING:
     from tpuscore.scorer import Scorer
@@ -133,13 +134,14 @@ def run(
     pending = []
     for rows, length in _batches(lens[order], model.config, backend.activation_bytes):
         rows = order[rows]
-        tokens = np.zeros((bucket_count(len(rows)), length), np.int32)
+        tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
         for r, i in enumerate(rows):
             tokens[r, : lens[i]] = request.continuations[i]
+        tokens = model.layout.put_rows(tokens)
         pending.append((rows, continuation_logprobs(model.params, prefix, tokens, model.config)))
     results: list[LoglikelihoodResult | None] = [None] * len(lens)
     for rows, (picked, greedy) in pending:  # read back after every batch is dispatched
-        picked, greedy = np.asarray(picked), np.asarray(greedy)
+        picked, greedy = to_host(picked), to_host(greedy)
         for r, i in enumerate(rows):
             n = int(lens[i])
             token_logprobs = picked[r, :n].astype(np.float32)

@@ -6,10 +6,19 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import tokenizers
 
-from tpuscore import compilation_cache, loglikelihood, planning, progress, ranking, validation
+from tpuscore import (
+    compilation_cache,
+    loglikelihood,
+    planning,
+    progress,
+    ranking,
+    sharding,
+    validation,
+)
 from tpuscore.backends import registry
 from tpuscore.backends.pool import BackendPool
 from tpuscore.loglikelihood import LoglikelihoodResult
@@ -41,11 +50,14 @@ class Scorer:
         backend: str = registry.AUTO,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         selector: planning.Selector | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
         """Args: as `from_pretrained`, with the model given as its config, parameters (a tree as
         `models/weights.py` describes) and tokenizer (None: token-id inputs only). selector: what
         "auto" runs for a group of requests (default `planning.FixedRule()`)."""
-        self.model = Model.build(config, params, dtype)
+        layout = sharding.make_layout(config, mesh, devices)
+        self.model = Model.build(config, params, dtype, layout)
         self.tokenizer = tokenizer
         self.default_backend = backend
         self.selector = selector or planning.FixedRule()
@@ -63,6 +75,11 @@ class Scorer:
     def dtype(self) -> np.dtype:
         return self.model.dtype
 
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        """The mesh the scorer is sharded over (axes "data" and "model"), or None: one device."""
+        return self.model.layout.mesh
+
     @classmethod
     def from_pretrained(
         cls,
@@ -75,6 +92,8 @@ class Scorer:
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
         compilation_cache_dir: str | os.PathLike | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ) -> Scorer:
         """Load a model and build a scorer on it.
 
@@ -89,13 +108,18 @@ class Scorer:
             compilation_cache_dir: keep compiled executables in this directory, so a restarted
                 process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
                 environment variable; neither: off). Process-wide, as JAX's setting is.
+            mesh: shard the scorer over this `jax.sharding.Mesh` with axes "data" (request rows)
+                and "model" (attention heads and the MLP width; it must divide the kv heads).
+                On several hosts, a mesh over every process's devices (docs/sharding.md).
+            devices: shorthand for a data-parallel mesh over these devices (not with mesh).
+                Neither: the default device.
 
         Returns:
             A `Scorer` holding the weights on device.
 
         Raises:
             ValidationError: unknown backend in backend_options, or a bad option
-                (`unknown_backend`, `invalid_backend_option`).
+                (`unknown_backend`, `invalid_backend_option`); a bad mesh (`invalid_mesh`).
             FileNotFoundError, UnsupportedModelError, CheckpointMismatchError: the model cannot
                 be found, is of an unsupported kind, or its tensors do not match its config.
         """
@@ -107,6 +131,7 @@ class Scorer:
             revision=revision,
             local_files_only=local_files_only,
             cache_dir=cache_dir,
+            layout_for=lambda config: sharding.make_layout(config, mesh, devices),
         )
         return cls(
             config,
@@ -115,6 +140,8 @@ class Scorer:
             dtype=np_dtype,
             backend=backend,
             backend_options=backend_options,
+            mesh=mesh,
+            devices=devices,
         )
 
     def save(self, path: str | os.PathLike) -> None:

@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 
 from tpuscore.buckets import MIN_LABEL_BUCKET, bucket_count, bucket_tokens
+from tpuscore.sharding import to_host
 
 
 @attrs.frozen
@@ -162,7 +163,7 @@ class GroupsOutputBuilder:
             valid = np.zeros(shape[0], bool)
             for rows, out, index in pending:
                 if id(out) not in host:
-                    host[id(out)] = np.asarray(out)
+                    host[id(out)] = to_host(out)
                 logprobs[rows] = host[id(out)][index][: len(rows), : shape[1]]
                 valid[rows] = True
             outputs.append(BackendOutput(logprobs, valid, stats))

@@ -36,6 +36,7 @@ from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
+from tpuscore.sharding import ONE_DEVICE, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class PackedSegmentOptions(PackedOptions):
         object.__setattr__(self, "block_sizes", block_sizes or kind())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "layout", "interpret"))
 def score_packed(
     params: Params,
     tokens: jax.Array,
@@ -95,15 +96,17 @@ def score_packed(
     label_ids: jax.Array,
     config: ModelConfig,
     block_sizes: BlockSizes | GpuBlockSizes | None,
+    layout: Layout = ONE_DEVICE,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
     with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
 
     block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
-    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one).
-    interpret None runs the kernel in Pallas interpret mode where it has no lowering (tests
-    lowering for another platform pass False).
+    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one), run
+    on each device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
+    in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
+    False).
     """
     B, T = tokens.shape
     if block_sizes is None:
@@ -113,8 +116,12 @@ def score_packed(
         def attention(q, k, v):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
             gpu = isinstance(block_sizes, GpuBlockSizes)
-            kernel = segment_attention_gpu if gpu else segment_attention
-            o = kernel(q, k, v, prefix_len, seg_start, block_sizes=block_sizes, interpret=interpret)
+            kernel = functools.partial(
+                segment_attention_gpu if gpu else segment_attention,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )
+            o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start)
             return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, config, tokens, positions, attention)
@@ -167,16 +174,18 @@ class PackedBackend:
                 (*packed.tokens.shape, packed.score_index.shape[1], labels.shape[1]),
                 tokens,
             )
+            put = self.model.layout.put_rows
             logprobs = score_packed(
                 self.model.params,
-                packed.tokens,
-                packed.positions,
-                packed.prefix_len,
-                packed.seg_start,
-                packed.score_index,
-                labels,
+                put(packed.tokens),
+                put(packed.positions),
+                put(packed.prefix_len),
+                put(packed.seg_start),
+                put(packed.score_index),
+                put(labels),
                 config=self.model.config,
                 block_sizes=self.block_sizes,
+                layout=self.model.layout,
             )
             for r, (g, rows) in enumerate(step.chunks):
                 out.scores(g, rows, logprobs, index=r)
@@ -209,7 +218,7 @@ class PackedBackend:
             steps.append(
                 PackedStep(
                     length=length,
-                    rows=bucket_count(count),
+                    rows=self.model.layout.rows(count),
                     chunks=tuple((g, rows) for g, rows, _ in taken),
                     tokens=tuple(n for _, _, n in taken),
                 )
@@ -222,20 +231,24 @@ class PackedBackend:
         return bucket_tokens(tokens)
 
     def rows(self, length: int) -> int:
-        """Packed rows per step at this length (a power of two) whose memory fits the budget."""
-        return costs.packed_rows(
+        """Packed rows per step at this length whose memory fits the budget on each device."""
+        per_device = costs.packed_rows(
             self.model.config,
             length,
             self.activation_bytes,
             MAX_STEP_TOKENS,
             dense_mask=self.dense_mask,
         )
+        return per_device * self.model.layout.data
 
     def step_bytes(self, chunks, length: int) -> int:
-        """Estimated peak memory of one step packing these (group, rows, tokens) chunks."""
+        """Estimated peak memory on each device of one step packing these (group, rows, tokens)
+        chunks."""
+        layout = self.model.layout
         slots = bucket_count(max(len(rows) for _, rows, _ in chunks))
+        rows = layout.rows(len(chunks)) // layout.data
         return costs.packed_step_bytes(
-            self.model.config, bucket_count(len(chunks)), length, slots, dense_mask=self.dense_mask
+            self.model.config, rows, length, slots, dense_mask=self.dense_mask
         )
 
     @functools.cached_property

@@ -243,8 +243,9 @@ class PrefillExtendBackend:
     def _extend(self, step, wave, batches, query_of, prefixes, out) -> None:
         """Run one extend step of a wave (step.groups index into the wave)."""
         n = len(step.rows)
+        layout = self.model.layout
         groups = np.asarray(wave)[step.groups]
-        items = np.zeros((bucket_count(n), step.item_len), np.int32)
+        items = np.zeros((layout.rows(n), step.item_len), np.int32)
         item_lens = np.zeros(items.shape[0], np.int32)
         for r, (g, i) in enumerate(zip(groups, step.rows, strict=True)):
             item_lens[r] = batches[g].item_lens[i]
@@ -261,15 +262,18 @@ class PrefillExtendBackend:
             logprobs = score_items(
                 self.model.params,
                 prefixes[step_queries[0]],
-                items,
-                item_lens,
-                labels,
+                layout.put_rows(items),
+                layout.put_rows(item_lens),
+                labels if labels.ndim == 1 else layout.put_rows(labels),
                 self.model.config,
             )
         else:  # each row against its own query's K/V
             name = "score_mixed_items"
-            stacked = decoder.stack_prefixes(
-                [prefixes[q] for q in step_queries], bucket_count(len(step_queries))
+            stacked = layout.put_prefix(
+                decoder.stack_prefixes(
+                    [prefixes[q] for q in step_queries], bucket_count(len(step_queries))
+                ),
+                stacked=True,
             )
             query_index = np.zeros(items.shape[0], np.int32)
             query_index[:n] = [step_queries.index(query_of[w]) for w in step.groups]
@@ -277,10 +281,7 @@ class PrefillExtendBackend:
             logprobs = score_mixed_items(
                 self.model.params,
                 stacked,
-                query_index,
-                items,
-                item_lens,
-                labels,
+                *map(layout.put_rows, (query_index, items, item_lens, labels)),
                 self.model.config,
             )
         tokens = {int(g): 0 for g in groups}
@@ -388,7 +389,7 @@ class PrefillExtendBackend:
                 if start < len(queries[i]):
                     pending.append((i, prefix, start))
                 else:
-                    prefixes[i] = prefix
+                    prefixes[i] = prefix = self.model.layout.put_prefix(prefix)
                     nbytes = sum(a.nbytes for a in (prefix.k, prefix.v, prefix.last_hidden))
                     self.cache.put(queries[i], prefix, nbytes)
         return prefixes
@@ -396,8 +397,10 @@ class PrefillExtendBackend:
     def _prefill_step(self, queries, step, out, owners):
         """Run the next chunk of each (query index, prefix so far, tokens done) in `step`, one row
         each; returns them advanced."""
+        layout = self.model.layout
         chunks = [queries[i][start : start + self.prefill_chunk] for i, _, start in step]
-        tokens = np.zeros((bucket_count(len(step)), bucket_tokens(max(map(len, chunks)))), np.int32)
+        rows = 1 if len(step) == 1 else layout.rows(len(step))
+        tokens = np.zeros((rows, bucket_tokens(max(map(len, chunks)))), np.int32)
         for r, chunk in enumerate(chunks):
             tokens[r, : len(chunk)] = chunk
         sizes = [
@@ -423,7 +426,12 @@ class PrefillExtendBackend:
         if out is not None:
             out.step("prefill_rows", (*tokens.shape, stacked.k.shape[-1], max(sizes)), charged)
         stacked = prefill_rows(
-            self.model.params, stacked, tokens, counts, config=self.model.config, size=max(sizes)
+            self.model.params,
+            layout.put_prefix(stacked, stacked=True),
+            layout.put_rows(tokens),
+            layout.put_rows(counts),
+            config=self.model.config,
+            size=max(sizes),
         )
         advanced = []
         for r, ((i, _, start), size) in enumerate(zip(step, sizes, strict=True)):
@@ -433,9 +441,10 @@ class PrefillExtendBackend:
 
     def prefill_batch_rows(self, length: int, base_len: int) -> int:
         """Queries per batched prefill step at this chunk length and cached-prefix length."""
-        return costs.prefill_rows(
+        per_device = costs.prefill_rows(
             self.model.config, length, base_len, self.activation_bytes, MAX_PREFILL_TOKENS
         )
+        return per_device * self.model.layout.data
 
     def _plan(self, sorted_lens: np.ndarray, batch_rows):
         """Batches over length-sorted items: (positions in sorted order, item-length bucket);
@@ -452,13 +461,14 @@ class PrefillExtendBackend:
             start += count
 
     def batch_rows(self, item_len: int, row_prefix_len: int = 0) -> int:
-        """Items per extend step: the override, or as many (a power of two) as the activation
-        budget allows at this item length (with a per-row prefix of row_prefix_len positions)."""
+        """Items per extend step: the override, or as many as the activation budget allows on
+        each device at this item length (with a per-row prefix of row_prefix_len positions)."""
         if self.batch_items is not None:
             return self.batch_items
-        return costs.extend_batch_rows(
+        per_device = costs.extend_batch_rows(
             self.model.config, item_len, self.activation_bytes, MAX_BATCH_TOKENS, row_prefix_len
         )
+        return per_device * self.model.layout.data
 
 
 def _distinct_queries(batches: Sequence[ScoreBatch]) -> tuple[list[np.ndarray], list[int]]:

@@ -13,6 +13,7 @@ from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
+from tpuscore.sharding import to_host
 
 
 def _einsum(spec: str, *operands: np.ndarray) -> np.ndarray:
@@ -84,4 +85,4 @@ class ReferenceBackend:
 def _as_float32(params: Params) -> Params:
     if isinstance(params, dict):
         return {name: _as_float32(value) for name, value in params.items()}
-    return np.asarray(params, dtype=np.float32)
+    return to_host(params).astype(np.float32)

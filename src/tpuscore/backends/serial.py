@@ -14,7 +14,7 @@ import numpy as np
 
 from tpuscore import costs
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
-from tpuscore.buckets import bucket_count, bucket_tokens
+from tpuscore.buckets import bucket_tokens
 from tpuscore.errors import check_int
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
@@ -26,7 +26,7 @@ MAX_ROWS = 64
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SerialOptions:
-    """max_batch_tokens: padded tokens per step (default 8192)."""
+    """max_batch_tokens: padded tokens per step and device (default 8192)."""
 
     max_batch_tokens: int | None = None
 
@@ -65,11 +65,12 @@ class SerialBackend:
         n = batch.num_items
         lens = batch.sequence_lens
         out = BackendOutput.for_batch(batch)
+        layout = self.model.layout
         T = bucket_tokens(int(lens.max(initial=1)))
-        rows = costs.serial_batch_rows(T, self.max_batch_tokens, MAX_ROWS)
+        rows = costs.serial_batch_rows(T, self.max_batch_tokens, MAX_ROWS) * layout.data
         for start in range(0, n, rows):
             stop = min(start + rows, n)
-            tokens = np.zeros((bucket_count(stop - start), T), np.int32)
+            tokens = np.zeros((layout.rows(stop - start), T), np.int32)
             for row, i in enumerate(range(start, stop)):
                 seq = batch.sequence(i)
                 tokens[row, : len(seq)] = seq
@@ -79,7 +80,11 @@ class SerialBackend:
             out.scores(
                 np.arange(start, stop),
                 score_sequences(
-                    self.model.params, tokens, lengths, batch.label_ids, config=self.model.config
+                    self.model.params,
+                    layout.put_rows(tokens),
+                    layout.put_rows(lengths),
+                    batch.label_ids,
+                    config=self.model.config,
                 ),
             )
         return out.build()

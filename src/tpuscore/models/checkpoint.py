@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ import tokenizers
 
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, param_shapes
+from tpuscore.sharding import ONE_DEVICE, Layout
 
 MARKER = "tpuscore.json"
 FORMAT = 1
@@ -39,17 +41,22 @@ def save(path: str | Path, config: ModelConfig, params: Params, tokenizer: token
 
 
 def restore(
-    path: str | Path, dtype: np.dtype, sharding: jax.sharding.Sharding | None = None
+    path: str | Path,
+    dtype: np.dtype,
+    layout_for: Callable[[ModelConfig], Layout] = lambda config: ONE_DEVICE,
 ) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
-    """Restore onto an abstract tree of the config's shapes in `dtype`, placed by `sharding`."""
+    """Restore onto an abstract tree of the config's shapes in `dtype`, each parameter read
+    straight into its place in `layout_for(config)` (on a mesh: only each device's shard)."""
     path = Path(path).absolute()
     meta = json.loads((path / MARKER).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER}: format {meta.get('format')!r}, expected {FORMAT}")
     config = ModelConfig.from_dict(meta["config"])
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+    layout = layout_for(config)
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda path, shape: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=layout.param_sharding(tuple(key.key for key in path))
+        ),
         param_shapes(config),
         is_leaf=lambda x: isinstance(x, tuple),
     )

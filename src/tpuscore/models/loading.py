@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import huggingface_hub
@@ -19,6 +20,7 @@ import tokenizers
 from tpuscore.models import checkpoint, default, gguf
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, params_from_checkpoint
+from tpuscore.sharding import ONE_DEVICE, Layout
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
 
@@ -30,8 +32,10 @@ def load(
     revision: str | None = None,
     local_files_only: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    layout_for: Callable[[ModelConfig], Layout] = lambda config: ONE_DEVICE,
 ) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
-    """(config, params in `dtype`, tokenizer) for `model`; see the module docstring."""
+    """(config, params in `dtype`, tokenizer) for `model`; see the module docstring. An Orbax
+    checkpoint restores straight into `layout_for(config)`; other formats load on the host."""
     path = default.default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         if path.suffix == ".gguf" or path.is_absolute() or str(model).startswith((".", "~")):
@@ -51,7 +55,7 @@ def load(
         ckpt = gguf.read_gguf(path)
         return ckpt.config, params_from_checkpoint(ckpt.config, ckpt.tensors, dtype), ckpt.tokenizer
     if checkpoint.is_checkpoint(path):
-        return checkpoint.restore(path, dtype)
+        return checkpoint.restore(path, dtype, layout_for)
     if (path / "config.json").is_file():
         return _read_hf_dir(path, dtype)
     raise ValueError(

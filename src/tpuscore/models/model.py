@@ -1,4 +1,5 @@
-"""`Model`: what a backend is built from: the config, the parameters on device and their dtype."""
+"""`Model`: what a backend is built from: the config, the parameters on device, their dtype, and
+the layout that places them and the backends' arrays (`tpuscore.sharding`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
+from tpuscore.sharding import ONE_DEVICE, Layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -27,14 +29,18 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 
 @attrs.frozen(eq=False)
 class Model:
-    """A loaded model. params follow `models/weights.py`, already on device in `dtype`."""
+    """A loaded model. params follow `models/weights.py`, already on device in `dtype`, placed
+    by `layout`."""
 
     config: ModelConfig
     params: Params
     dtype: np.dtype
+    layout: Layout = ONE_DEVICE
 
     @classmethod
-    def build(cls, config: ModelConfig, params: Params, dtype: Any = None) -> Model:
-        """Put params on device in `dtype` (see `resolve_dtype`)."""
+    def build(
+        cls, config: ModelConfig, params: Params, dtype: Any = None, layout: Layout = ONE_DEVICE
+    ) -> Model:
+        """Put params on device in `dtype` (see `resolve_dtype`), placed by `layout`."""
         dtype = resolve_dtype(dtype)
-        return cls(config, jax.tree.map(lambda a: jnp.asarray(a, dtype), params), dtype)
+        return cls(config, layout.put_params(params, dtype), dtype, layout)

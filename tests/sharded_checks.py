@@ -1,0 +1,174 @@
+"""Sharding checks on 8 CPU devices. JAX fixes its device count when it starts, so
+tests/test_sharding.py runs this file in a pytest subprocess with JAX_NUM_CPU_DEVICES=8; run
+alone it skips. Every check compares a sharded scorer with an unsharded one on the same random
+weights: scores within 1e-5 in float32."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpuscore import Scorer, ValidationError
+from tpuscore.models import checkpoint
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.weights import param_shapes
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8, reason="needs JAX_NUM_CPU_DEVICES=8 (tests/test_sharding.py sets it)"
+)
+
+# kv heads and MLP width divisible by every model axis below; biases and q/k norms present, so
+# every sharded parameter kind is exercised.
+CONFIG = ModelConfig(
+    family="qwen3",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+    qk_norm=True,
+)
+MESHES = [(8, 1), (1, 8), (2, 4)]
+BACKENDS = ["serial", "reference", "prefill_extend", "packed_dense", "packed_segment"]
+TOL = 1e-5
+
+
+def mesh_of(data: int, model: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[: data * model]).reshape(data, model), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def params():
+    rng = np.random.default_rng(0)
+    return jax.tree.map(
+        lambda shape: rng.normal(0, 0.3, shape).astype(np.float32),
+        param_shapes(CONFIG),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+@pytest.fixture(scope="module")
+def unsharded(params):
+    return Scorer(CONFIG, params, None, dtype="float32")
+
+
+@pytest.fixture
+def requests(rng):
+    """Five requests with different queries and one repeating a query with other labels; four
+    items each, of 1-4 tokens. Short queries keep every step in one token bucket: a compile per
+    step shape and mesh is what these checks spend their time on."""
+
+    def tokens(n):
+        return rng.integers(1, CONFIG.vocab_size, n).tolist()
+
+    shared = tokens(12)
+    out = [
+        {"query": tokens(int(rng.integers(3, 13))), "label_token_ids": [5, 7, 11]} for _ in range(4)
+    ] + [{"query": shared, "label_token_ids": [5, 9]}, {"query": shared, "label_token_ids": [5]}]
+    for request in out:
+        request["items"] = [tokens(int(rng.integers(1, 5))) for _ in range(4)]
+    return out
+
+
+def assert_same_scores(sharded, unsharded, requests, backend):
+    got = sharded.score_batch(requests, backend=backend)
+    want = unsharded.score_batch(requests, backend=backend)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_backend_sharded_equals_unsharded(shape, params, unsharded, requests):
+    scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh_of(*shape))
+    for backend in BACKENDS:
+        assert_same_scores(scorer, unsharded, requests, backend)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_weights_and_cached_kv_follow_the_model_axis(shape, params, requests):
+    mesh = mesh_of(*shape)
+    scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh)
+    layers = scorer.params["layers"]
+    for name, spec in [
+        ("wq", P(None, None, "model", None)),
+        ("wk", P(None, None, "model", None)),
+        ("wo", P(None, "model", None, None)),
+        ("w_gate", P(None, None, "model")),
+        ("w_down", P(None, "model", None)),
+        ("attn_norm", P()),
+    ]:
+        assert layers[name].sharding.is_equivalent_to(NamedSharding(mesh, spec), 3), name
+    scorer.score_batch(requests[:2], backend="prefill_extend")
+    cache = scorer.get_backend("prefill_extend").cache
+    prefix = cache.lookup(np.asarray(requests[0]["query"], np.int32)).value
+    kv = NamedSharding(mesh, P(None, "model"))
+    assert prefix.k.sharding.is_equivalent_to(kv, prefix.k.ndim)
+    assert prefix.v.sharding.is_equivalent_to(kv, prefix.v.ndim)
+
+
+def test_loglikelihood_sharded_equals_unsharded(params, unsharded, rng):
+    scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh_of(2, 4))
+    context = rng.integers(1, CONFIG.vocab_size, 30).tolist()
+    continuations = [rng.integers(1, CONFIG.vocab_size, n).tolist() for n in (1, 4, 7)]
+    got = scorer.loglikelihood(context, continuations)
+    want = unsharded.loglikelihood(context, continuations)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=TOL, rtol=0)
+        assert g.is_greedy == w.is_greedy
+
+
+def test_devices_builds_a_data_parallel_mesh(params, unsharded, requests):
+    scorer = Scorer(CONFIG, params, None, dtype="float32", devices=jax.devices()[:4])
+    assert dict(scorer.mesh.shape) == {"data": 4, "model": 1}
+    assert_same_scores(scorer, unsharded, requests, "packed_dense")
+
+
+def test_an_explicit_axes_mesh_runs_as_auto(params, unsharded, requests):
+    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes in JAX 0.10
+    scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh)
+    assert all(t == jax.sharding.AxisType.Auto for t in scorer.mesh.axis_types)
+    assert_same_scores(scorer, unsharded, requests, "packed_dense")
+
+
+@pytest.mark.parametrize(
+    "mesh, match",
+    [
+        (lambda: mesh_of(1, 1), None),
+        (lambda: Mesh(np.array(jax.devices()[:3]).reshape(1, 3), ("data", "model")), "divide"),
+        (lambda: Mesh(np.array(jax.devices()[:2]), ("batch",)), "axes"),
+    ],
+)
+def test_bad_meshes_are_refused_clearly(params, mesh, match):
+    if match is None:  # a 1x1 mesh is fine
+        Scorer(CONFIG, params, None, dtype="float32", mesh=mesh())
+        return
+    with pytest.raises(ValidationError, match=match) as raised:
+        Scorer(CONFIG, params, None, dtype="float32", mesh=mesh())
+    assert raised.value.code == "invalid_mesh"
+    with pytest.raises(ValidationError, match="not both"):
+        Scorer(CONFIG, params, None, mesh=mesh_of(1, 1), devices=jax.devices()[:1])
+
+
+def test_orbax_restores_straight_into_the_sharded_layout(params, unsharded, requests, tmp_path):
+    vocab = {f"t{i}": i for i in range(CONFIG.vocab_size)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    checkpoint.save(tmp_path / "ckpt", CONFIG, params, tokenizer)
+    mesh = mesh_of(2, 4)
+    restored = Scorer.from_pretrained(tmp_path / "ckpt", dtype="float32", mesh=mesh)
+    assert dataclasses.asdict(restored.config) == dataclasses.asdict(CONFIG)
+    wq = restored.params["layers"]["wq"]
+    assert wq.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "model", None)), 4)
+    # Each device holds its own shard only: a quarter of the kv heads' query heads.
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 64, 4, 8)}
+    assert_same_scores(restored, unsharded, requests, "prefill_extend")
