@@ -172,3 +172,56 @@ def test_orbax_restores_straight_into_the_sharded_layout(params, unsharded, requ
     # Each device holds its own shard only: a quarter of the kv heads' query heads.
     assert {s.data.shape for s in wq.addressable_shards} == {(2, 64, 4, 8)}
     assert_same_scores(restored, unsharded, requests, "prefill_extend")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_sharded_segment_kernel_lowers_for_tpu_and_cuda(platform):
+    """packed_segment's kernel under shard_map on a 2x4 mesh lowers with the Mosaic (TPU) or
+    Triton (CUDA) kernel in it. Lowering only: not compiled, not run (no such devices here)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    from tpuscore.backends.packed import score_packed
+    from tpuscore.kernels.segment_attention import BlockSizes
+    from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
+    from tpuscore.sharding import make_layout
+
+    layout = make_layout(CONFIG, mesh_of(2, 4))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, shape: jax.ShapeDtypeStruct(
+            shape, np.float32, sharding=layout.param_sharding(tuple(k.key for k in path))
+        ),
+        param_shapes(CONFIG),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    rows = NamedSharding(layout.mesh, P("data"))
+    B, T = 4, 256
+
+    def S(shape):
+        return jax.ShapeDtypeStruct(shape, np.int32, sharding=rows)
+
+    args = (params, S((B, T)), S((B, T)), S((B,)), S((B, T)), S((B, 8)), S((B, 16)))
+    step = jax.jit(
+        score_packed,
+        static_argnames=("config", "block_sizes", "layout", "interpret"),
+    )
+    static = {"config": CONFIG, "layout": layout, "interpret": False}
+    if platform == "tpu":
+        # Test only: lowering a Pallas TPU kernel asks for a chip profile; register v6e's under
+        # this CPU's device kind, and remove it afterwards.
+        kind = jax.devices()[0].device_kind
+        tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(
+            tpu_info.ChipVersion.TPU_V6E, 1
+        )
+        try:
+            text = jax.export.export(step, platforms=["tpu"])(
+                *args, block_sizes=BlockSizes(), **static
+            ).mlir_module()
+        finally:
+            del tpu_info.registry[kind]
+            jax.clear_caches()
+        assert "tpu_custom_call" in text
+    else:
+        lowered = step.trace(*args, block_sizes=GpuBlockSizes(), **static)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text
+    assert "shard_map" in text or "manual" in text.lower()  # the kernel runs per shard
