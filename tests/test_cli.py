@@ -109,6 +109,17 @@ def test_missing_file_and_model(tmp_path, checkpoint_dir, capsys):
     assert "cannot load" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("mesh", "message"), [("2x4", "needs 8 devices; there are 1"), ("two", "DATAxMODEL")]
+)
+def test_a_bad_mesh_is_one_line_and_status_2(mesh, message, tmp_path, capsys):
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1]}')
+    assert cli.main(["score", "--mesh", mesh, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
 def test_unknown_field_names_the_accepted_ones(checkpoint_dir, tmp_path, capsys):
     path = tmp_path / "in.json"
     path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1], "lables": [" x"]}')
@@ -127,7 +138,8 @@ def test_rank_equals_scorer_rank(scorers, checkpoint_dir, tmp_path, capsys):
     }
     path = tmp_path / "rank.json"
     path.write_text(json.dumps(request))
-    assert cli.main(["rank", "--model", str(checkpoint_dir(CASE)), str(path)]) == 0
+    # On a 1x1 mesh: the sharded path, on the one device there is.
+    assert cli.main(["rank", "--model", str(checkpoint_dir(CASE)), "--mesh", "1x1", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     expected = scorer.rank(**request)
     assert [r["index"] for r in out["results"]] == [r.index for r in expected]

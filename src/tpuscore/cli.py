@@ -81,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
         help="default: float32 on CPU, bfloat16 on accelerators",
     )
     add("--backend", default="auto", help="a registered backend name (default: auto)")
+    add(
+        "--mesh",
+        metavar="DATAxMODEL",
+        help='shard over the first DATA*MODEL devices, e.g. "8x1" (data parallel) or "2x4" '
+        "(docs/sharding.md); default: one device",
+    )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
     # The shared options go on each subcommand only: on the main parser too, a subcommand's
@@ -214,14 +220,34 @@ def _read_input(path: str) -> tuple[str, str]:
 
 
 def load_scorer(args: argparse.Namespace):
-    """The Scorer for --model/--dtype/--backend; a model that cannot be loaded is bad input."""
+    """The Scorer for --model/--dtype/--backend/--mesh; a model that cannot be loaded is bad
+    input."""
     from tpuscore import Scorer
 
+    mesh = parse_mesh(args.mesh)
     try:
-        return Scorer.from_pretrained(args.model, dtype=args.dtype, backend=args.backend)
+        return Scorer.from_pretrained(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh)
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
+
+
+def parse_mesh(text: str | None):
+    """A "DATAxMODEL" mesh over the first DATA*MODEL devices, or None."""
+    if text is None:
+        return None
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    try:
+        data, model = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise InputError(f"--mesh must be DATAxMODEL, such as 2x4, got {text!r}") from None
+    devices = jax.devices()
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise InputError(f"--mesh {text} needs {data * model} devices; there are {len(devices)}")
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
 def _run_requests(args: argparse.Namespace) -> int:
