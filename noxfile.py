@@ -26,11 +26,12 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite on CPU, with HF transformers (torch CPU) as the reference."""
+    """The test suite on CPU, with HF transformers (torch CPU) as the reference, one pytest
+    worker per core (pytest-xdist; a file's tests share a worker, so its fixtures build once)."""
     session.install(TORCH)
     session.install(".[dev]")
     session.install(*DEFAULT_MODEL)
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-n", "auto", "--dist", "loadfile", *session.posargs)
 
 
 @nox.session

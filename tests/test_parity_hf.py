@@ -40,7 +40,12 @@ def test_item_first_matches_transformers(case, checkpoint_dir, scorers, rng):
 TEXT_ITEMS = ["", " yes", " the lazy dog", " naïve café 東京 🙂", "\n\n  spaced   out\t"]
 
 
-@pytest.mark.parametrize("query_words", [1, 120])
+# Token inputs above cover every family at both lengths; text adds tokenization, so the lengths
+# rotate through the families.
+@pytest.mark.parametrize(
+    ("case", "query_words"),
+    [("llama_gqa_untied", 1), ("llama3_rope_tied", 120), ("qwen2_bias", 1), ("qwen3_qknorm", 120)],
+)
 def test_text_inputs_match_transformers(case, checkpoint_dir, scorers, rng, query_words):
     scorer = scorers(case)
     words = ["fox", "market", "Paris", "token", "model", "the", "é", "42"]
