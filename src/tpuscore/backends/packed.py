@@ -140,11 +140,12 @@ class PackedStep:
     tokens: tuple[int, ...]
 
 
-class PackedBackend:
+class PackedBackend(costs.Budgeted):
     """What both packed backends share; subclasses say how attention applies the mask."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
     dense_mask = True
+    estimate = "packed_dense"
 
     def __init__(self, model: Model, options: PackedOptions):
         self.model = model
@@ -159,8 +160,10 @@ class PackedBackend:
             if step.length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
-                    step.length, self.memory_bytes(step.length), self.activation_bytes,
-                )  # fmt: skip
+                    step.length,
+                    self.memory_bytes(step.length),
+                    self.budget,
+                )
             groups = [g for g, _ in step.chunks]
             packed = packing.stack(
                 [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks], step.rows
@@ -211,7 +214,7 @@ class PackedBackend:
             length = self.bucket(chunks[start][2])
             count = min(len(chunks) - start, self.rows(length))
             while count > 1 and self.step_bytes(chunks[start : start + count], length) > (
-                self.activation_bytes
+                self.budget
             ):
                 count //= 2  # many items per row: the LM head's logits need room too
             taken = chunks[start : start + count]
@@ -233,11 +236,7 @@ class PackedBackend:
     def rows(self, length: int) -> int:
         """Packed rows per step at this length whose memory fits the budget on each device."""
         per_device = costs.packed_rows(
-            self.model.config,
-            length,
-            self.activation_bytes,
-            MAX_STEP_TOKENS,
-            dense_mask=self.dense_mask,
+            self.model.config, length, self.budget, MAX_STEP_TOKENS, dense_mask=self.dense_mask
         )
         return per_device * self.model.layout.data
 
@@ -251,13 +250,50 @@ class PackedBackend:
             self.model.config, rows, length, slots, dense_mask=self.dense_mask
         )
 
-    @functools.cached_property
+    @property
     def max_tokens(self) -> int:
         """The longest packed length (a bucket) whose memory estimate fits the budget."""
+        return self._max_tokens(self.budget)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (one entry per budget; backends live long)
+    def _max_tokens(self, budget: int) -> int:
         fits, length = self.bucket(1), self.bucket(1)
-        while length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= self.activation_bytes:
+        while length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= budget:
             fits, length = length, self.bucket(length + 1)
         return fits
+
+    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
+        """What each step of `score_groups` on these batches would do (for `selection.py`)."""
+        config, itemsize = self.model.config, self.model.dtype.itemsize
+        steps = []
+        for step in self.plan(batches):
+            T = step.length
+            chunks = [(g, rows, n) for (g, rows), n in zip(step.chunks, step.tokens, strict=True)]
+            if self.block_sizes is None:  # dense: every (token, key) pair, masked or not
+                pairs, kv = step.rows * T * T, 0
+            else:  # the kernel: its visible tiles, each re-reading a K/V tile
+                bq, bkv = self.block_sizes.block_q, self.block_sizes.block_kv
+                tiles = sum(
+                    costs.segment_tiles(
+                        packing.pack(batches[g], rows, T).seg_start, batches[g].query_len, bq, bkv
+                    )
+                    for g, rows, _ in chunks
+                )
+                tiles += (step.rows - len(chunks)) * (T // bq)  # padding rows: their diagonal
+                pairs, kv = tiles * bq * bkv, costs.kv_bytes(config, tiles * bkv, itemsize)
+            steps.append(
+                costs.step_work(
+                    config,
+                    itemsize,
+                    rows=step.rows,
+                    new=T,
+                    pairs=pairs,
+                    slots=bucket_count(max(len(rows) for _, rows, _ in chunks)),
+                    peak=self.step_bytes(chunks, T),
+                    kv_bytes=kv,
+                )
+            )
+        return steps
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length."""
@@ -272,6 +308,7 @@ class PackedSegmentBackend(PackedBackend):
     """packed_segment: attention by the Pallas segment kernel, which never builds the mask."""
 
     dense_mask = False
+    estimate = "packed_segment"
 
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)

@@ -208,7 +208,9 @@ class ExtendStep:
     rows: np.ndarray
 
 
-class PrefillExtendBackend:
+class PrefillExtendBackend(costs.Budgeted):
+    estimate = "prefill_extend"
+
     def __init__(self, model: Model, options: PrefillExtendOptions):
         self.model = model
         budget = options.prefix_cache_bytes
@@ -227,6 +229,71 @@ class PrefillExtendBackend:
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         return self.score_groups([batch])[0]
+
+    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
+        """What each step of `score_groups` on these batches would do (for `selection.py`), with
+        the prefix cache as it is now. Every step's peak holds the K/V of its wave's queries."""
+        config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
+        steps = []
+        for wave in self.waves(batches):
+            wave_batches = [batches[g] for g in wave]
+            queries, query_of = _distinct_queries(wave_batches)
+            held = sum(self.prefix_bytes(len(q)) for q in queries)
+            steps += self._prefill_work(queries, held)
+            for step in self.plan_extend(wave_batches, query_of):
+                rows, L = layout.rows(len(step.rows)), step.item_len
+                step_queries = {query_of[w] for w in step.groups}
+                P = max(bucket_tokens(len(queries[q])) for q in step_queries)
+                row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
+                peak = rows // layout.data * costs.extend_row_bytes(config, L, row_prefix)
+                steps.append(
+                    costs.step_work(
+                        config,
+                        itemsize,
+                        rows=rows,
+                        new=L,
+                        pairs=rows * L * (L + P),
+                        slots=1,
+                        peak=peak + held,
+                        kv_bytes=costs.kv_bytes(config, P, itemsize)
+                        * (1 if row_prefix == 0 else rows),
+                    )
+                )
+        return steps
+
+    def _prefill_work(self, queries: Sequence[np.ndarray], held: int) -> list[costs.StepWork]:
+        """The prefill steps `query_prefixes` would run for these queries (see there)."""
+        config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
+        pending = []  # [length, tokens done]
+        for query in queries:
+            n, hit = len(query), self.cache.peek(query)
+            if n and hit < n:
+                pending.append([n, min(hit, n - 1)])
+        steps = []
+        while pending:
+            pending.sort(key=lambda p: -min(p[0] - p[1], self.prefill_chunk))
+            chunk = min(pending[0][0] - pending[0][1], self.prefill_chunk)
+            base_len = max(bucket_tokens(done) for _, done in pending)
+            cap = self.prefill_batch_rows(bucket_tokens(chunk), base_len)
+            step, pending = pending[:cap], pending[cap:]
+            rows, R = 1 if len(step) == 1 else layout.rows(len(step)), bucket_tokens(chunk)
+            peak = -(-rows // layout.data) * costs.prefill_row_bytes(config, R, base_len)
+            steps.append(
+                costs.step_work(
+                    config,
+                    itemsize,
+                    rows=rows,
+                    new=R,
+                    pairs=rows * R * (R + base_len),
+                    slots=0,
+                    peak=peak + held,
+                    kv_bytes=costs.kv_bytes(config, rows * base_len, itemsize),
+                )
+            )
+            for p in step:
+                p[1] += min(p[0] - p[1], self.prefill_chunk)
+            pending += [p for p in step if p[1] < p[0]]
+        return steps
 
     def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
         """Score several groups: their distinct queries prefilled together (cache hits skip it),
@@ -442,7 +509,7 @@ class PrefillExtendBackend:
     def prefill_batch_rows(self, length: int, base_len: int) -> int:
         """Queries per batched prefill step at this chunk length and cached-prefix length."""
         per_device = costs.prefill_rows(
-            self.model.config, length, base_len, self.activation_bytes, MAX_PREFILL_TOKENS
+            self.model.config, length, base_len, self.budget, MAX_PREFILL_TOKENS
         )
         return per_device * self.model.layout.data
 
@@ -466,7 +533,7 @@ class PrefillExtendBackend:
         if self.batch_items is not None:
             return self.batch_items
         per_device = costs.extend_batch_rows(
-            self.model.config, item_len, self.activation_bytes, MAX_BATCH_TOKENS, row_prefix_len
+            self.model.config, item_len, self.budget, MAX_BATCH_TOKENS, row_prefix_len
         )
         return per_device * self.model.layout.data
 

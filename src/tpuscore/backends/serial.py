@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,17 @@ MAX_ROWS = 64
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SerialOptions:
-    """max_batch_tokens: padded tokens per step and device (default 8192)."""
+    """max_batch_tokens: padded tokens per step and device (default 8192). activation_bytes: the
+    memory budget a step's estimate must fit (default 256 MiB on CPU, an eighth of accelerator
+    memory)."""
 
     max_batch_tokens: int | None = None
+    activation_bytes: int | None = None
 
     def __post_init__(self):
-        if self.max_batch_tokens is not None:
-            check_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        for name in ("max_batch_tokens", "activation_bytes"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -56,18 +61,52 @@ def score_sequences(
     return decoder.label_logprobs(params, config, last, label_ids)
 
 
-class SerialBackend:
+class SerialBackend(costs.Budgeted):
+    estimate = "serial"
+
     def __init__(self, model: Model, options: SerialOptions):
         self.model = model
         self.max_batch_tokens = options.max_batch_tokens or 8192
+        self.activation_bytes = options.activation_bytes or costs.activation_budget()
+
+    def plan(self, batch: ScoreBatch) -> tuple[int, int]:
+        """(padded length, sequences per step) for this batch: every sequence padded to the
+        longest one's bucket, as many per step as fit the budget on each device."""
+        T = bucket_tokens(int(batch.sequence_lens.max(initial=1)))
+        per_device = costs.serial_batch_rows(
+            self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
+        )
+        return T, per_device * self.model.layout.data
+
+    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
+        """What each step of `score` on these batches would do (for `selection.py`)."""
+        layout, config = self.model.layout, self.model.config
+        steps = []
+        for batch in batches:
+            T, rows = self.plan(batch)
+            for start in range(0, batch.num_items, rows):
+                padded = layout.rows(min(rows, batch.num_items - start))
+                peak = padded // layout.data * costs.serial_row_bytes(config, T)
+                pairs = padded * T * T  # the causal mask is applied to a dense [T, T]
+                steps.append(
+                    costs.step_work(
+                        config,
+                        self.model.dtype.itemsize,
+                        rows=padded,
+                        new=T,
+                        pairs=pairs,
+                        slots=1,
+                        peak=peak,
+                    )
+                )
+        return steps
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         n = batch.num_items
         lens = batch.sequence_lens
         out = BackendOutput.for_batch(batch)
         layout = self.model.layout
-        T = bucket_tokens(int(lens.max(initial=1)))
-        rows = costs.serial_batch_rows(T, self.max_batch_tokens, MAX_ROWS) * layout.data
+        T, rows = self.plan(batch)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             tokens = np.zeros((layout.rows(stop - start), T), np.int32)
