@@ -5,7 +5,19 @@ import copy
 import numpy as np
 
 from tpuscore.backends import BackendOutput, StepStats
+from tpuscore.models.config import ModelConfig
 
+# Real models' shapes, for what needs no weights (lowering, cost estimates).
+SMOLLM2_135M = ModelConfig(  # the default model's (test_default_model.py checks it)
+    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+QWEN3_0_6B = ModelConfig(
+    family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+    num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+)  # fmt: skip
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 

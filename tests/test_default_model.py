@@ -17,7 +17,7 @@ def scorer(default_model_path):
 
 
 def test_its_config_is_the_one_the_lowering_test_lowers(scorer):
-    from test_lowering import SMOLLM2_135M
+    from helpers import SMOLLM2_135M
 
     assert scorer.config == SMOLLM2_135M
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers import QWEN3_0_6B, SMOLLM2_135M
 from tpuscore.backends import packed, prefill_extend, serial
 from tpuscore.kernels.segment_attention import BlockSizes
 from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
@@ -20,16 +21,6 @@ from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import param_shapes
 
-SMOLLM2_135M = ModelConfig(  # the default model's (test_default_model.py checks it)
-    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-    max_position_embeddings=8192, tie_word_embeddings=True,
-)  # fmt: skip
-QWEN3_0_6B = ModelConfig(
-    family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-    num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
-)  # fmt: skip
 MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen3-0.6b": QWEN3_0_6B}
 S = jax.ShapeDtypeStruct
 i32, f32 = jnp.int32, jnp.float32

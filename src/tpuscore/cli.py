@@ -87,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         help='shard over the first DATA*MODEL devices, e.g. "8x1" (data parallel) or "2x4" '
         "(docs/sharding.md); default: one device",
     )
+    add(
+        "--profile",
+        metavar="PATH",
+        help="a device profile for auto (python -m tpuscore.calibrate writes one); default: the "
+        "built-in one for this device kind",
+    )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
     # The shared options go on each subcommand only: on the main parser too, a subcommand's
@@ -220,13 +226,15 @@ def _read_input(path: str) -> tuple[str, str]:
 
 
 def load_scorer(args: argparse.Namespace):
-    """The Scorer for --model/--dtype/--backend/--mesh; a model that cannot be loaded is bad
-    input."""
+    """The Scorer for --model/--dtype/--backend/--mesh/--profile; a model or profile that cannot
+    be loaded is bad input."""
     from tpuscore import Scorer
 
     mesh = parse_mesh(args.mesh)
     try:
-        return Scorer.from_pretrained(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh)
+        return Scorer.from_pretrained(
+            args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, profile=args.profile
+        )
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None

@@ -1,9 +1,10 @@
-"""Planning a call: group validated requests, pick a backend per group, split its output back.
+"""Planning a call: group validated requests, pick their backends, split the output back.
 
 Requests that share a query, labels and item_first form one `Group`, so their items fill batches
-together and the query runs once. A `Selector` names the backend "auto" runs for a group, and
-each backend gets all the groups that picked it in one call (`by_backend`), where backends that
-can mix queries in a device step do.
+together and the query runs once. A `Selector` names the backend "auto" runs for a call's groups
+(by default `selection.CostModel`, by estimated time and memory), and each backend gets all the
+groups that picked it in one call (`by_backend`), where backends that can mix queries in a device
+step do.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from tpuscore import validation
+from tpuscore import selection, validation
 from tpuscore.backends import registry
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, make_batch
-from tpuscore.models.model import Model
+from tpuscore.backends.pool import BackendPool
 from tpuscore.results import ScoreResult
 from tpuscore.validation import ScoreRequest
 
@@ -55,29 +56,41 @@ def group(requests: Sequence[ScoreRequest]) -> list[Group]:
 
 
 class Selector(Protocol):
-    """Names the registered backend that "auto" runs for a group."""
+    """Names the registered backend that "auto" runs for groups of a call (all item_first, or
+    none), which it scores together. `selection.CostModel` is the default."""
 
-    def select(self, group: Group, model: Model) -> str: ...
+    def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str: ...
 
 
 class FixedRule:
     """prefill_extend whenever the query comes first (it runs the query once, not once per
-    item), else serial."""
+    item), else serial: the rule before the cost model, for whoever wants it fixed."""
 
-    def select(self, group: Group, model: Model) -> str:
-        return "serial" if group.batch.item_first else "prefill_extend"
+    def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str:
+        return "serial" if batches[0].item_first else "prefill_extend"
 
 
 def plan(
-    requests: Sequence[ScoreRequest], backend: str, selector: Selector, model: Model
+    requests: Sequence[ScoreRequest], backend: str, selector: Selector, pool: BackendPool
 ) -> list[tuple[Group, str]]:
-    """Each group with the backend that runs it: `backend`, or the selector's pick for "auto".
-    Every pick is checked against the group before any runs."""
-    planned = []
-    for g in group(requests):
-        name = selector.select(g, model) if backend == registry.AUTO else backend
+    """Each group with the backend that runs it: `backend`, or for "auto" the selector's pick
+    for all of the call's groups at once (item_first ones apart). Every pick is checked against
+    its groups before any runs: its capabilities, and that its steps fit the device
+    (`selection.check_fits`)."""
+    groups = group(requests)
+    names = [backend] * len(groups)
+    if backend == registry.AUTO:
+        for item_first in (False, True):
+            members = [i for i, g in enumerate(groups) if g.batch.item_first == item_first]
+            if members:
+                name = selector.select([groups[i].batch for i in members], pool)
+                for i in members:
+                    names[i] = name
+    planned = list(zip(groups, names, strict=True))
+    for g, name in planned:
         validation.check_capabilities(name, g.batch.item_first)
-        planned.append((g, name))
+    for name, named in by_backend(planned).items():
+        selection.check_fits(name, pool.get(name), [g.batch for g in named])
     return planned
 
 

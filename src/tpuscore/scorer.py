@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import jax
 import numpy as np
 import tokenizers
@@ -13,9 +14,11 @@ import tokenizers
 from tpuscore import (
     compilation_cache,
     loglikelihood,
+    memory_guard,
     planning,
     progress,
     ranking,
+    selection,
     sharding,
     validation,
 )
@@ -26,6 +29,7 @@ from tpuscore.models import checkpoint, loading
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
+from tpuscore.profiles import DeviceProfile
 from tpuscore.ranking import RankedItem
 from tpuscore.results import ScoreResult
 from tpuscore.templates import Template
@@ -50,17 +54,21 @@ class Scorer:
         backend: str = registry.AUTO,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         selector: planning.Selector | None = None,
+        profile: DeviceProfile | str | os.PathLike | None = None,
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
         """Args: as `from_pretrained`, with the model given as its config, parameters (a tree as
         `models/weights.py` describes) and tokenizer (None: token-id inputs only). selector: what
-        "auto" runs for a group of requests (default `planning.FixedRule()`)."""
+        "auto" runs for a call's groups (default `selection.CostModel` with `profile`)."""
         layout = sharding.make_layout(config, mesh, devices)
         self.model = Model.build(config, params, dtype, layout)
         self.tokenizer = tokenizer
         self.default_backend = backend
-        self.selector = selector or planning.FixedRule()
+        if profile is not None and not isinstance(profile, DeviceProfile):
+            profile = DeviceProfile.load(profile)
+        self.cost_model = selection.CostModel(profile)
+        self.selector = selector or self.cost_model
         self.backends = BackendPool(self.model, backend_options)
 
     @property
@@ -92,6 +100,7 @@ class Scorer:
         local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
         compilation_cache_dir: str | os.PathLike | None = None,
+        profile: DeviceProfile | str | os.PathLike | None = None,
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
     ) -> Scorer:
@@ -108,6 +117,9 @@ class Scorer:
             compilation_cache_dir: keep compiled executables in this directory, so a restarted
                 process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
                 environment variable; neither: off). Process-wide, as JAX's setting is.
+            profile: the device profile "auto" prices backends with: a `DeviceProfile` or the
+                path of one (`python -m tpuscore.calibrate` writes it); default the built-in
+                profile of this device kind (`tpuscore.profiles`).
             mesh: shard the scorer over this `jax.sharding.Mesh` with axes "data" (request rows)
                 and "model" (attention heads and the MLP width; it must divide the kv heads).
                 On several hosts, a mesh over every process's devices (docs/sharding.md).
@@ -140,6 +152,7 @@ class Scorer:
             dtype=np_dtype,
             backend=backend,
             backend_options=backend_options,
+            profile=profile,
             mesh=mesh,
             devices=devices,
         )
@@ -203,6 +216,30 @@ class Scorer:
             truncate=truncate,
         )
         return self.run([request], backend=backend)[0]
+
+    def plan(
+        self,
+        query: str | list[int],
+        items: list[str] | list[list[int]],
+        label_token_ids: list[int] | None = None,
+        **options: Any,
+    ) -> selection.Plan:
+        """What `score` with these arguments would run, without running anything: each built-in
+        backend's estimated seconds, peak bytes on one device against its budget, and steps, and
+        `pick`, the backend "auto" would take (with the scorer's prefix cache as it is now).
+
+        Args: as `score` (`backend` is not needed: every candidate is estimated).
+
+        Raises:
+            ValidationError: as `score`.
+        """
+        options.pop("backend", None)
+        request = self.prepare(query, items, label_token_ids, **options)
+        batches = [g.batch for g in planning.group([request])]
+        plan = self.cost_model.plan(batches, self.backends)
+        if self.selector is not self.cost_model:  # a user's selector picks; the model estimates
+            plan = attrs.evolve(plan, pick=self.selector.select(batches, self.backends))
+        return plan
 
     def score_batch(
         self,
@@ -289,12 +326,12 @@ class Scorer:
         """
         name = validation.backend_name(self.default_backend if backend is None else backend)
         results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
-        planned = planning.plan(requests, name, self.selector, self.model)
+        planned = planning.plan(requests, name, self.selector, self.backends)
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
         for chosen, groups in planning.by_backend(planned).items():
             backend = self.backends.get(chosen)
-            outputs = registry.score_groups(backend, [g.batch for g in groups])
+            outputs = memory_guard.score_groups(chosen, backend, [g.batch for g in groups])
             for group, output in zip(groups, outputs, strict=True):
                 split = planning.split(output, group, requests, chosen)
                 for i, result in zip(group.members, split, strict=True):

@@ -1,0 +1,152 @@
+"""Selection: what "auto" runs, by each built-in backend's estimated time and peak memory.
+
+Every built-in backend describes the steps it would run for a call (`work(batches)`: its own
+bucketing, chunking, batching and prefix-cache hits) as `costs.StepWork`. A device profile
+(`tpuscore.profiles`) prices each step:
+
+    seconds = step_seconds + flops / matmul rate + bytes / bandwidth + scores * score_seconds
+
+and on a mesh the work divides over its devices (weights over "model" only). auto takes the
+least time among the backends whose estimated peak memory fits their budget; item_first goes to
+serial; a backend that would run its Pallas kernel in interpret mode is never picked. If nothing
+fits, serial, whose steps then hold one item each. A pick whose steps would not fit the device's
+free memory at all raises `sequence_too_long`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+import jax
+
+from tpuscore import costs
+from tpuscore.backends import registry
+from tpuscore.backends.contract import ScoreBatch
+from tpuscore.backends.pool import BackendPool
+from tpuscore.errors import ValidationError
+from tpuscore.models.model import Model
+from tpuscore.profiles import DeviceProfile, for_device
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("prefill_extend", "packed_segment", "packed_dense", "serial")
+
+
+@attrs.frozen
+class Estimate:
+    """One backend's estimate for a call: `seconds`, `peak_bytes` on one device against its
+    `budget_bytes`, and its device `steps`. `eligible`: auto may pick it (it can run the
+    requests, compiled)."""
+
+    backend: str
+    seconds: float
+    peak_bytes: int
+    budget_bytes: int
+    steps: int
+    eligible: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+
+@attrs.frozen
+class Plan:
+    """What `Scorer.plan` returns: every built-in backend's estimate, and `pick`, the backend
+    auto runs."""
+
+    pick: str
+    estimates: tuple[Estimate, ...]
+
+    def __getitem__(self, backend: str) -> Estimate:
+        return next(e for e in self.estimates if e.backend == backend)
+
+
+class CostModel:
+    """The default `Selector`: the least estimated time among backends that fit (module doc)."""
+
+    def __init__(self, profile: DeviceProfile | None = None, platform: str | None = None):
+        """profile: default the built-in one of this device kind. platform: where the backends
+        run ("cpu", "gpu", "tpu"; default this process's), which says which run compiled."""
+        self.profile = profile or for_device()
+        self.platform = platform or jax.default_backend()
+
+    def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str:
+        """The backend auto runs for these groups (all item_first, or none)."""
+        return self.plan(batches, pool, eligible_only=True).pick
+
+    def plan(
+        self, batches: Sequence[ScoreBatch], pool: BackendPool, *, eligible_only: bool = False
+    ) -> Plan:
+        """The candidates' estimates for scoring these groups together (eligible_only: just
+        those auto may pick), and the pick."""
+        item_first = any(b.item_first for b in batches)
+        estimates = []
+        for name in CANDIDATES:
+            capabilities = registry.registration(name).capabilities
+            eligible = capabilities.compiled(self.platform) and (
+                capabilities.item_first or not item_first
+            )
+            if eligible or not eligible_only:
+                estimates.append(self.estimate(name, pool, batches, eligible))
+        by_name = {e.backend: e for e in estimates}
+        fitting = [e for e in estimates if e.eligible and e.fits]
+        if fitting and not item_first:
+            pick = min(fitting, key=lambda e: e.seconds)
+        else:
+            pick = by_name["serial"]  # whose steps hold one item each when nothing fits
+        logger.debug(
+            "auto picks %s: %s", pick.backend,
+            ", ".join(
+                f"{e.backend} {e.seconds:.3g} s {e.peak_bytes / 2**20:.0f}/"
+                f"{e.budget_bytes / 2**20:.0f} MiB{'' if e.eligible else ' (not eligible)'}"
+                for e in estimates
+            ),
+        )  # fmt: skip
+        return Plan(pick.backend, tuple(estimates))
+
+    def estimate(
+        self, name: str, pool: BackendPool, batches: Sequence[ScoreBatch], eligible: bool
+    ) -> Estimate:
+        """A backend's time and peak memory for these groups."""
+        backend = pool.get(name)
+        steps = backend.work(batches)
+        compiled = registry.registration(name).capabilities.compiled(self.platform)
+        penalty = 1 if compiled else self.profile.interpret_penalty
+        return Estimate(
+            backend=name,
+            seconds=self.seconds(steps, pool.model) * penalty,
+            peak_bytes=max((s.peak for s in steps), default=0),
+            budget_bytes=backend.budget,
+            steps=len(steps),
+            eligible=eligible,
+        )
+
+    def seconds(self, steps: Sequence[costs.StepWork], model: Model) -> float:
+        """The steps' time on the model's devices: the work divides over the mesh (weights,
+        and so their bytes, over its "model" axis only)."""
+        p, layout = self.profile, model.layout
+        devices = layout.data * layout.model
+        flops = sum(s.flops for s in steps) / (p.matmul_rate(model.dtype) * devices)
+        reads = sum(s.bytes for s in steps) / (p.memory_bandwidth * layout.model)
+        scores = sum(s.scores for s in steps) * p.score_seconds / devices
+        return len(steps) * p.step_seconds + flops + reads + scores
+
+
+def check_fits(name: str, backend: registry.Backend, batches: Sequence[ScoreBatch]) -> None:
+    """ValidationError("sequence_too_long") if the backend's largest step for these groups
+    cannot fit the device's free memory (only backends with estimates, `costs.Budgeted`)."""
+    if not isinstance(backend, costs.Budgeted):
+        return
+    peak = max((s.peak for s in backend.work(batches)), default=0)
+    capacity = costs.device_capacity()
+    if peak > capacity:
+        raise ValidationError(
+            "sequence_too_long",
+            f"the largest step on {name} needs about {peak / 2**20:.0f} MiB, even split to fit "
+            f"its {backend.budget / 2**20:.0f} MiB budget, and the device has "
+            f"{capacity / 2**20:.0f} MiB free; shorten the query or the items (max_item_tokens)",
+            "items",
+        )

@@ -1,0 +1,191 @@
+"""auto by the cost model (`selection.py`): the seeds' picks under the TPU v6e profile, the
+memory fallbacks, `Scorer.plan`, the device profiles and the calibration fit."""
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import QWEN3_0_6B, compile_events, fresh, random_tokens
+from tpuscore import Scorer, ValidationError, calibrate, costs, planning, profiles, selection
+from tpuscore.backends.contract import make_batch
+from tpuscore.backends.pool import BackendPool
+from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
+from tpuscore.models.model import Model
+from tpuscore.profiles import DeviceProfile
+
+ATOL = 1e-4  # float32
+
+
+def abstract_pool(config, budget: int) -> BackendPool:
+    """Backends on a model with no weights: estimates need only its shapes."""
+    model = Model(config, params=None, dtype=np.dtype(jnp.bfloat16))
+    return BackendPool(model, {n: {"activation_bytes": budget} for n in selection.CANDIDATES})
+
+
+@pytest.mark.parametrize(
+    ("geometry", "expected"),
+    [((2000, 500, 20), "prefill_extend"), ((100, 10, 100), "packed_segment")],
+)
+def test_the_seeds_cases_under_the_tpu_v6e_profile(geometry, expected):
+    q, n, length = geometry
+    batch = make_batch(list(range(1, q + 1)), [[7] * length] * n, [5, 6], item_first=False)
+    pool = abstract_pool(QWEN3_0_6B, 4 << 30)  # an eighth of a v6e's 32 GiB, as on the chip
+    model = selection.CostModel(profiles.built_in("tpu-v6e"), platform="tpu")
+    plan = model.plan([batch], pool)
+    assert plan.pick == expected, plan
+    assert all(e.eligible and e.fits for e in plan.estimates)
+
+
+def test_item_first_goes_to_serial_and_interpreted_kernels_are_never_picked():
+    pool = abstract_pool(QWEN3_0_6B, 4 << 30)
+    on_cpu = selection.CostModel(profiles.built_in("tpu-v6e"), platform="cpu")
+    batch = make_batch(list(range(1, 101)), [[7] * 100] * 10, [5, 6], item_first=False)
+    plan = on_cpu.plan([batch], pool)
+    assert not plan["packed_segment"].eligible
+    assert plan.pick != "packed_segment"
+    first = make_batch(list(range(1, 101)), [[7] * 100] * 10, [5, 6], item_first=True)
+    plan = on_cpu.plan([first], pool)
+    assert plan.pick == "serial"
+    assert [e.backend for e in plan.estimates if e.eligible] == ["serial"]
+
+
+def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
+    path = checkpoint_dir("qwen2_bias")
+    config = Scorer.from_pretrained(path, dtype="float32").config
+    # A profile where a step costs 1 s and a token through the layers 10 ms: packed_dense (one
+    # step) beats prefill_extend (the same tokens in two), and serial (the query once per item).
+    token_flops = costs.step_work(config, 4, rows=1, new=1, pairs=0, slots=0, peak=0).flops
+    steps_and_tokens = DeviceProfile(
+        name="steps", device_kinds=(), matmul_flops={"float32": 100 * token_flops},
+        memory_bandwidth=1e30, step_seconds=1.0, score_seconds=0.0, interpret_penalty=1.0,
+        measured=False,
+    )  # fmt: skip
+    roomy = Scorer.from_pretrained(path, dtype="float32", profile=steps_and_tokens)
+    vocab = roomy.config.vocab_size
+    query, items = random_tokens(rng, 200, vocab), [random_tokens(rng, 5, vocab) for _ in range(6)]
+    assert roomy.plan(query, items, [1, 2]).pick == "packed_dense"
+
+    budget = costs.packed_bytes(roomy.config, 128, dense_mask=True)  # under one 200-token row
+    tight = Scorer.from_pretrained(
+        path, dtype="float32", profile=steps_and_tokens,
+        backend_options={"packed_dense": {"activation_bytes": budget}},
+    )  # fmt: skip
+    plan = tight.plan(query, items, [1, 2])
+    assert not plan["packed_dense"].fits
+    assert plan.pick == "prefill_extend"
+    got = tight.score(query, items, [1, 2])
+    assert got.backend == "prefill_extend"
+    reference = tight.score(query, items, [1, 2], backend="reference")
+    np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
+
+
+def test_a_tiny_budget_runs_serial_one_item_per_step_and_stays_exact(checkpoint_dir, rng):
+    options = {name: {"activation_bytes": 1} for name in selection.CANDIDATES}
+    scorer = Scorer.from_pretrained(
+        checkpoint_dir("llama_gqa_untied"), dtype="float32", backend_options=options
+    )
+    vocab = scorer.config.vocab_size
+    query, items = random_tokens(rng, 30, vocab), [random_tokens(rng, 4, vocab) for _ in range(5)]
+    plan = scorer.plan(query, items, [3, 4])
+    assert not any(e.fits for e in plan.estimates)
+    assert plan.pick == "serial"
+    assert plan["serial"].steps == len(items)  # one item per step
+    got = scorer.score(query, items, [3, 4])
+    assert got.backend == "serial"
+    reference = scorer.score(query, items, [3, 4], backend="reference")
+    np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
+
+
+def test_plan_estimates_every_backend_runs_nothing_and_names_what_score_runs(scorers, rng):
+    scorer = fresh(scorers("qwen3_qknorm"))
+    vocab = scorer.config.vocab_size
+    query, items = random_tokens(rng, 40, vocab), [random_tokens(rng, 6, vocab) for _ in range(9)]
+    for name in selection.CANDIDATES:
+        scorer.get_backend(name)  # built (an empty prefix is a few device arrays), as after a call
+    events = compile_events()
+    plan = scorer.plan(query, items, [1, 2], apply_softmax=True, backend="serial")
+    assert events == []
+    assert len(scorer.get_backend("prefill_extend").cache) == 0  # nothing prefilled
+    assert [e.backend for e in plan.estimates] == list(selection.CANDIDATES)
+    assert all(e.seconds > 0 and e.peak_bytes > 0 and e.steps > 0 for e in plan.estimates)
+    assert scorer.score(query, items, [1, 2]).backend == plan.pick
+
+
+def test_a_users_selector_decides_what_auto_runs(scorers):
+    base = scorers("qwen3_qknorm")
+    scorer = Scorer(base.config, base.params, base.tokenizer, selector=planning.FixedRule())
+    assert scorer.plan([1, 2], [[3]], [4]).pick == "prefill_extend"
+    assert scorer.score([1, 2], [[3]], [4]).backend == "prefill_extend"
+    assert scorer.plan([1, 2], [[3]], [4], item_first=True).pick == "serial"
+    assert scorer.score([1, 2], [[3]], [4], item_first=True).backend == "serial"
+
+
+def test_plan_sees_the_prefix_cache(scorers, rng):
+    scorer = fresh(scorers("llama3_rope_tied"))
+    vocab = scorer.config.vocab_size
+    query, items = random_tokens(rng, 300, vocab), [random_tokens(rng, 3, vocab) for _ in range(4)]
+    cold = scorer.plan(query, items, [1])["prefill_extend"]
+    scorer.score(query, items, [1], backend="prefill_extend")
+    warm = scorer.plan(query, items, [1])["prefill_extend"]
+    assert warm.steps < cold.steps and warm.seconds < cold.seconds
+
+
+def test_a_step_that_cannot_fit_the_device_is_refused(scorers, rng, monkeypatch):
+    scorer = fresh(scorers("qwen2_bias"))
+    vocab = scorer.config.vocab_size
+    monkeypatch.setattr(costs, "device_capacity", lambda: 1000)
+    for backend in ("auto", "serial", "packed_dense", "prefill_extend"):
+        with pytest.raises(ValidationError) as e:
+            scorer.score(random_tokens(rng, 20, vocab), [random_tokens(rng, 5, vocab)], [1],
+                         backend=backend)  # fmt: skip
+        assert e.value.code == "sequence_too_long"
+        assert "MiB free" in str(e.value)
+
+
+def test_built_in_profiles_and_a_users_own(tmp_path, checkpoint_dir):
+    for name in profiles.BUILT_IN:
+        profile = profiles.built_in(name)
+        assert profile.measured == (name == "cpu"), name
+        assert profile.matmul_rate("bfloat16") > 0 and profile.memory_bandwidth > 0
+    assert profiles.for_device().name == "cpu"  # this machine
+    mine = DeviceProfile(
+        name="mine", device_kinds=("cpu",), matmul_flops={"float32": 1e11},
+        memory_bandwidth=1e10, step_seconds=1e-3, score_seconds=1e-9, interpret_penalty=50.0,
+        measured=True,
+    )  # fmt: skip
+    mine.save(tmp_path / "mine.json")
+    assert DeviceProfile.load(tmp_path / "mine.json") == mine
+    scorer = Scorer.from_pretrained(
+        checkpoint_dir("qwen2_bias"), dtype="float32", profile=tmp_path / "mine.json"
+    )
+    assert scorer.cost_model.profile == mine
+
+
+def test_calibration_fit_recovers_known_constants(rng):
+    truth = np.array([2e-3, 1 / 5e10, 1 / 2e10, 3e-9])  # step, per flop, per byte, per score
+    X = rng.uniform(0.1, 1, (20, 4)) * np.array([10, 1e11, 5e9, 1e8])
+    rows = [(x, float(x @ truth)) for x in X]
+    np.testing.assert_allclose(calibrate.fit(rows), truth, rtol=1e-6)
+
+
+def test_the_h100_profile_picks_within_25_percent_of_what_an_h100_measured():
+    """docs/throughput_h100.json: items/s of every backend on an H100 (random Qwen3-0.6B,
+    bfloat16, items of 16 tokens) at 9 geometries, measured by benchmarks/plot_throughput.py."""
+    measured = json.loads((Path(__file__).parents[1] / "docs/throughput_h100.json").read_text())
+    points = [
+        (measured[axis]["query_tokens"] if axis == "by_items" else x,
+         x if axis == "by_items" else measured[axis]["num_items"],
+         {name: rates[i] for name, rates in measured[axis]["items_per_s"].items()})
+        for axis in ("by_items", "by_query")
+        for i, x in enumerate(measured[axis]["x"])
+    ]  # fmt: skip
+    pool = abstract_pool(QWEN3_0_6B, 10 << 30)  # an eighth of the H100's 80 GB
+    pool.get("packed_segment").block_sizes = GpuBlockSizes()  # the GPU kernel's tiles
+    model = selection.CostModel(profiles.built_in("h100"), platform="gpu")
+    for q, n, items_per_s in points:
+        batch = make_batch(list(range(1, q + 1)), [[7] * 16] * n, [5, 6], item_first=False)
+        pick = model.plan([batch], pool).pick
+        assert max(items_per_s.values()) / items_per_s[pick] <= 1.25, (q, n, pick, items_per_s)
