@@ -1,0 +1,118 @@
+"""No out-of-memory crash: a step XLA fails with RESOURCE_EXHAUSTED runs again smaller and the
+scores stay exact; a large request's host memory stays bounded."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import fresh, random_tokens
+from tpuscore import costs
+from tpuscore.backends import packed, prefill_extend, serial
+
+ATOL = 1e-4  # float32
+STEPS = {  # backend -> (module, its jitted step that the injected error fails)
+    "serial": (serial, "score_sequences"),
+    "prefill_extend": (prefill_extend, "score_items"),
+    "packed_dense": (packed, "score_packed"),
+}
+
+
+@pytest.fixture(autouse=True)
+def safety_factors(monkeypatch):
+    """Each test starts with (and leaves) the process's safety factors as they were."""
+    monkeypatch.setattr(costs, "_SAFETY", {})
+
+
+def fail_first_call(monkeypatch, module, name, message="RESOURCE_EXHAUSTED: out of memory"):
+    step, calls = getattr(module, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise jax.errors.JaxRuntimeError(message)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, failing)
+    return calls
+
+
+@pytest.mark.parametrize("backend", sorted(STEPS))
+def test_an_out_of_memory_step_is_retried_smaller_and_exact(
+    backend, scorers, rng, monkeypatch, caplog
+):
+    scorer = fresh(scorers("llama_gqa_untied"))
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 40, vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 12, size=24)]
+    reference = scorer.score(query, items, [1, 2, 3], backend="reference")
+    scorer.score(query, items, [1, 2, 3], backend=backend)  # the query cached, as on the retry
+    steps_before = scorer.plan(query, items, [1, 2, 3])[backend].steps
+
+    calls = fail_first_call(monkeypatch, *STEPS[backend])
+    with caplog.at_level(logging.WARNING, logger="tpuscore.memory_guard"):
+        got = scorer.score(query, items, [1, 2, 3], backend=backend)
+    np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
+    assert len(calls) > 1
+    assert costs.safety_factor(backend) > 1  # for the rest of the process
+    assert scorer.plan(query, items, [1, 2, 3])[backend].steps > steps_before
+    assert "ran out of device memory" in caplog.text
+
+
+def test_other_errors_and_unshrinkable_steps_are_not_retried(scorers, rng, monkeypatch):
+    scorer = fresh(scorers("qwen2_bias"))
+    vocab = scorer.config.vocab_size
+    query, items = random_tokens(rng, 10, vocab), [random_tokens(rng, 3, vocab)]
+    calls = fail_first_call(monkeypatch, packed, "score_packed", "INTERNAL: something else")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        scorer.score(query, items, [1], backend="packed_dense")
+    assert costs.safety_factor("packed_dense") == 1
+
+    # One item in one step: nothing to halve, so the error stands.
+    calls = fail_first_call(monkeypatch, serial, "score_sequences")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        scorer.score(query, items, [1], backend="serial")
+    assert len(calls) == 1
+
+
+HOST_MEMORY = textwrap.dedent(
+    """
+    import resource, sys
+    import numpy as np
+    from tpuscore import Scorer
+
+    def rss_peak_mib():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+
+    scorer = Scorer.from_pretrained(sys.argv[1], dtype="float32")
+    rng = np.random.default_rng(0)
+    vocab = scorer.config.vocab_size
+    def request(n):
+        return rng.integers(0, vocab, 30).tolist(), rng.integers(0, vocab, (n, 8)).tolist()
+    scorer.score(*request(2_000), [1, 2], backend="prefill_extend")  # compiles every step shape
+    query, items = request(40_000)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set to the current one
+    before = rss_peak_mib()
+    result = scorer.score(query, items, [1, 2], backend="prefill_extend")
+    assert result.logprobs.shape == (40_000, 2)
+    print(rss_peak_mib() - before)
+    """
+)
+
+
+def test_a_large_request_holds_host_memory_of_a_batch_not_of_every_item(checkpoint_dir):
+    # 40,000 items of 8 tokens: held at once, one layer's float32 activations would be 40,000 x
+    # 8 x 4 x (4 x 38 hidden + 3 x 61 MLP) bytes, 410 MiB, and the logits and log-softmax over
+    # the 331-token vocabulary another 100 MiB. The bound, results included: 150 MiB.
+    path = checkpoint_dir("qwen3_qknorm")
+    out = subprocess.run(
+        [sys.executable, "-c", HOST_MEMORY, str(path)], capture_output=True, text=True, check=True
+    )
+    growth = float(out.stdout.split()[-1])
+    assert growth < 150, f"peak resident memory grew by {growth:.0f} MiB"
