@@ -23,7 +23,7 @@ def test_a_warmed_geometry_compiles_nothing_when_requests_arrive(scorers, rng):
     before = (len(cache), cache.bytes, cache.hits, cache.partial_hits, cache.misses)
 
     compiles = compile_events()
-    warmed = scorer.warmup([(37, 5, 6), (100, 20, 3)])
+    warmed = scorer.warmup([(37, 5, 6), (100, 20, 3)], backends=["prefill_extend"])
     assert [w.backend for w in warmed] == ["prefill_extend"] * 2
     assert all(w.steps >= 2 and w.seconds > 0 for w in warmed)  # a prefill and an extend each
     assert len(compiles) > 0
@@ -35,8 +35,15 @@ def test_a_warmed_geometry_compiles_nothing_when_requests_arrive(scorers, rng):
     for first, (query_len, count, item_len) in enumerate([(37, 5, 6), (33, 6, 5), (99, 17, 3)]):
         items = [random_tokens(rng, item_len, vocab) for _ in range(count)]
         query = [first + 1] + random_tokens(rng, query_len - 1, vocab)
-        scorer.score(query, items, [3, 4])
-    scorer.warmup([(37, 5, 6)])  # already compiled: costs nothing to compile
+        scorer.score(query, items, [3, 4], backend="prefill_extend")
+    scorer.warmup([(37, 5, 6)], backends=["prefill_extend"])  # already compiled: costs nothing
+    assert len(compiles) == compiled
+
+    # auto warms the backend the cost model picks for the geometry.
+    (auto,) = scorer.warmup([(20, 4, 5)])
+    compiled = len(compiles)
+    query, items = [9] + random_tokens(rng, 19, vocab), [random_tokens(rng, 5, vocab)] * 4
+    assert scorer.score(query, items, [3, 4]).backend == auto.backend
     assert len(compiles) == compiled
 
 
