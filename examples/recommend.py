@@ -3,6 +3,8 @@
 The viewer's history is the query and each candidate title an item; the score is P(" yes") within
 {" yes", " no"} after the question. `rank` sorts the page and keeps the top 3. The second page
 shares the query, so prefill_extend finds its K/V in the prefix cache and runs only the items.
+The example names prefill_extend: "auto" prices each call alone, and for one page of short items
+on a CPU it may pick a packed backend, which caches nothing for the next page.
 
     python examples/recommend.py [--model PATH_OR_HUB_ID]
 
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     args = parser.parse_args()
 
-    scorer = Scorer.from_pretrained(args.model)
+    scorer = Scorer.from_pretrained(args.model, backend="prefill_extend")  # module doc
     cache = scorer.get_backend("prefill_extend").cache
     print(f"Viewer's history: {', '.join(HISTORY)}")
     for number, titles in enumerate(PAGES, 1):

@@ -67,9 +67,13 @@ def assert_as_alone(batched, alone) -> None:
 
 
 def _assert_sequential(results, requests, sequential) -> None:
-    """Each result equals its request scored alone, within the batch-composition bound."""
+    """Each result equals its request scored alone, within the batch-composition bound. Under
+    auto a shared run may take another backend than the request alone (the cost model prices
+    the whole batch): still rounding only."""
     for result, alone in zip(results, sequential, strict=True):
-        assert result.backend == alone.backend and result.logprobs.shape == alone.logprobs.shape
+        assert result.logprobs.shape == alone.logprobs.shape
+        if alone.backend == "serial":  # named, or item_first: never moved
+            assert result.backend == "serial"
         assert_as_alone(result.logprobs, alone.logprobs)
 
 

@@ -95,12 +95,6 @@ def test_counts_each_query_token_once(scorers, rng):
     assert result.num_tokens == len(query) + sum(map(len, items))
 
 
-def test_auto_picks_prefill_extend_unless_items_come_first(scorers):
-    scorer = scorers("qwen3_qknorm")
-    assert scorer.score([1, 2], [[3]], [4]).backend == "prefill_extend"
-    assert scorer.score([1, 2], [[3]], [4], item_first=True).backend == "serial"
-
-
 def test_item_first_is_refused(scorers):
     with pytest.raises(ValidationError) as err:
         scorers("qwen3_qknorm").score([1, 2], [[3]], [4], item_first=True, backend="prefill_extend")

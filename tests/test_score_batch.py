@@ -40,7 +40,8 @@ def test_requests_sharing_a_query_run_it_once(scorers, rng):
     query = random_tokens(rng, 40, vocab)
     pages = [[random_tokens(rng, int(n), vocab) for n in rng.integers(1, 9, 4)] for _ in range(5)]
     results = scorer.score_batch(
-        [{"query": query, "items": p, "label_token_ids": [3]} for p in pages]
+        [{"query": query, "items": p, "label_token_ids": [3]} for p in pages],
+        backend="prefill_extend",
     )
     cache = scorer.get_backend("prefill_extend").cache
     assert (cache.misses, cache.hits) == (1, 0)  # one backend call for all five pages

@@ -46,8 +46,7 @@ def test_item_suffix_ids_equal_serial_on_the_concatenated_tokens(scorer, rng):
     query = random_tokens(rng, QUERY_LEN, VOCAB)
     items = [random_tokens(rng, n, VOCAB) for n in ITEM_LENS]
     suffix = random_tokens(rng, SUFFIX_LEN, VOCAB)
-    got = scorer.score(query, items, [3, 7, 11], item_suffix=suffix)
-    assert got.backend == "prefill_extend"
+    got = scorer.score(query, items, [3, 7, 11], item_suffix=suffix, backend="prefill_extend")
     expected = scorer.score(query, [i + suffix for i in items], [3, 7, 11], backend="serial")
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=ATOL, rtol=0)
 
@@ -68,8 +67,9 @@ def test_truncation_keeps_the_first_or_last_tokens_before_the_suffix(scorer, rng
     items = [random_tokens(rng, n, VOCAB) for n in (5, 12, 20, 13)]
     suffix = random_tokens(rng, SUFFIX_LEN, VOCAB)
     got = scorer.score(
-        query, items, [5, 6], item_suffix=suffix, max_item_tokens=12, truncate=truncate
-    )
+        query, items, [5, 6], item_suffix=suffix, max_item_tokens=12, truncate=truncate,
+        backend="prefill_extend",
+    )  # fmt: skip
     kept = [i[:12] if truncate == "right" else i[-12:] for i in items]
     assert [len(k) for k in kept] == [5, 12, 12, 12]
     expected = scorer.score(query, [k + suffix for k in kept], [5, 6], backend="serial")
