@@ -28,6 +28,28 @@ def test_plan_keeps_order_and_splits_where_the_next_item_would_not_fit():
     assert chunks == [[0, 1, 2, 3], [4], [5]]  # 38, 40 and 11 tokens
     alone = [list(items) for items in packing.plan(batch, max_tokens=1)]
     assert alone == [[i] for i in range(6)]  # never an empty chunk
+    capped = [list(items) for items in packing.plan(batch, max_tokens=40, max_items=3)]
+    assert capped == [[0, 1, 2], [3], [4], [5]]
+
+
+def test_many_short_items_split_so_their_logits_fit_the_budget_too(scorers, rng):
+    base = scorers("qwen3_qknorm")
+    vocab = base.config.vocab_size
+    query, items = random_tokens(rng, 20, vocab), [random_tokens(rng, 1, vocab) for _ in range(90)]
+    # Room for a 128-token row with 16 items' logits: 90 one-token items would fit its length.
+    budget = costs.packed_bytes(base.config, 128, dense_mask=True) + costs.logits_bytes(
+        base.config, 16
+    )
+    options = {"packed_dense": {"activation_bytes": budget}}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    backend = scorer.get_backend("packed_dense")
+    assert backend.chunk_limits == (128, 16)
+    batch = make_batch(query, items, [1, 2], False)
+    assert all(step.peak <= budget for step in backend.work([batch]))
+    assert backend.score(batch).stats.chunks == 6  # 90 items, 16 a chunk
+    serial = scorer.score(query, items, [1, 2], backend="serial")
+    got = scorer.score(query, items, [1, 2], backend="packed_dense")
+    np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
 
 def _items(rng, count: int, vocab: int, max_len: int = 20):

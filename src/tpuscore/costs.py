@@ -82,6 +82,12 @@ class Budgeted:
         """The bytes a step may plan for: the activation budget over the safety factor."""
         return budget(self.activation_bytes, self.estimate)
 
+    @property
+    def peak_budget(self) -> int:
+        """What a step's estimated peak may reach: its budget, and what the backend holds across
+        steps (a query's K/V) where it has its own budget for that."""
+        return self.budget
+
 
 def device_capacity() -> int:
     """Bytes one step may still take at most: free memory of the first device where it reports
@@ -116,8 +122,12 @@ def packed_step_bytes(
 ) -> int:
     """One packed step of `rows` sequences of `length` tokens, each scoring `slots` positions:
     the rows' layer memory, and their float32 logits and log-softmax over the vocabulary."""
-    lm_head = 2 * 4 * slots * config.vocab_size
-    return rows * (packed_bytes(config, length, dense_mask=dense_mask) + lm_head)
+    return rows * (packed_bytes(config, length, dense_mask=dense_mask) + logits_bytes(config, slots))
+
+
+def logits_bytes(config: ModelConfig, slots: int) -> int:
+    """float32 logits and their log-softmax over the vocabulary at `slots` positions."""
+    return 2 * 4 * slots * config.vocab_size
 
 
 def packed_rows(

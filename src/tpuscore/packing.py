@@ -63,13 +63,15 @@ def pack(batch: ScoreBatch, rows: np.ndarray, length: int) -> PackedChunk:
     return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(rows))
 
 
-def plan(batch: ScoreBatch, max_tokens: int) -> Iterator[np.ndarray]:
+def plan(batch: ScoreBatch, max_tokens: int, max_items: int | None = None) -> Iterator[np.ndarray]:
     """Split the batch's items, in order, into chunks of at most max_tokens query + item tokens
-    (batch rows per chunk). An item too long to share a chunk gets one of its own."""
+    and at most max_items items (batch rows per chunk). An item too long to share a chunk gets
+    one of its own."""
     Q, lens = batch.query_len, batch.item_lens[: batch.num_items]
     start, used = 0, Q
     for i, n in enumerate(lens):
-        if i > start and used + n > max_tokens:
+        full = max_items is not None and i - start >= max_items
+        if i > start and (used + n > max_tokens or full):
             yield np.arange(start, i)
             start, used = i, Q
         used += int(n)

@@ -119,7 +119,7 @@ class CostModel:
             backend=name,
             seconds=self.seconds(steps, pool.model) * penalty,
             peak_bytes=max((s.peak for s in steps), default=0),
-            budget_bytes=backend.budget,
+            budget_bytes=backend.peak_budget,
             steps=len(steps),
             eligible=eligible,
         )

@@ -28,7 +28,7 @@ import numpy as np
 
 from tpuscore import costs, packing
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
-from tpuscore.buckets import bucket_count, bucket_tokens
+from tpuscore.buckets import bucket_count, bucket_tokens, pow2_floor
 from tpuscore.errors import ValidationError, check_int
 from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
 from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes, segment_attention_gpu
@@ -198,7 +198,8 @@ class PackedBackend(costs.Budgeted):
         """The device steps that score these groups.
 
         Each group's items are split, in order, into chunks that fill the longest packed length
-        that fits the budget (`packing.plan`); each chunk is one packed row, its query first.
+        that fits the budget, with no more items than their logits leave room for there
+        (`chunk_limits`, `packing.plan`); each chunk is one packed row, its query first.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
         rows, the last step padded to one), so chunks of similar length share a step.
@@ -206,7 +207,7 @@ class PackedBackend(costs.Budgeted):
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
             for g, batch in enumerate(batches)
-            for rows in packing.plan(batch, self.max_tokens)
+            for rows in packing.plan(batch, *self.chunk_limits)
         ]
         chunks.sort(key=lambda chunk: -chunk[2])  # stable: equal lengths keep their order
         steps, start = [], 0
@@ -252,15 +253,26 @@ class PackedBackend(costs.Budgeted):
 
     @property
     def max_tokens(self) -> int:
-        """The longest packed length (a bucket) whose memory estimate fits the budget."""
-        return self._max_tokens(self.budget)
+        """The longest packed length (a bucket) whose memory, with one item's logits, fits the
+        budget."""
+        return self.chunk_limits[0]
+
+    @property
+    def chunk_limits(self) -> tuple[int, int]:
+        """(max_tokens, the most items, a power of two, whose logits fit beside them)."""
+        return self._chunk_limits(self.budget)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (one entry per budget; backends live long)
-    def _max_tokens(self, budget: int) -> int:
+    def _chunk_limits(self, budget: int) -> tuple[int, int]:
+        config = self.model.config
         fits, length = self.bucket(1), self.bucket(1)
-        while length <= MAX_PACKED_TOKENS and self.memory_bytes(length) <= budget:
+        while (
+            length <= MAX_PACKED_TOKENS
+            and self.memory_bytes(length) + costs.logits_bytes(config, 1) <= budget
+        ):
             fits, length = length, self.bucket(length + 1)
-        return fits
+        room = budget - self.memory_bytes(fits)
+        return fits, pow2_floor(room // costs.logits_bytes(config, 1))
 
     def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
         """What each step of `score_groups` on these batches would do (for `selection.py`)."""

@@ -361,8 +361,8 @@ class PrefillExtendBackend(costs.Budgeted):
 
     def waves(self, batches: Sequence[ScoreBatch]) -> list[list[int]]:
         """The groups in consecutive waves whose distinct queries' K/V, all held at once while
-        the wave runs, fit the larger of the cache and activation budgets (one query at least)."""
-        budget = max(self.cache.budget_bytes, self.activation_bytes)
+        the wave runs, fit `held_budget` (one query at least)."""
+        budget = self.held_budget
         waves, seen, held = [[]], set(), 0
         for g, batch in enumerate(batches):
             query = batch.query[: batch.query_len].tobytes()
@@ -375,6 +375,16 @@ class PrefillExtendBackend(costs.Budgeted):
                 held += nbytes
             waves[-1].append(g)
         return [wave for wave in waves if wave]
+
+    @property
+    def held_budget(self) -> int:
+        """What a wave's queries' K/V may hold: the larger of the cache and activation budgets."""
+        return max(self.cache.budget_bytes, self.activation_bytes)
+
+    @property
+    def peak_budget(self) -> int:
+        """A step's activations fit the budget; the K/V it holds, `held_budget`."""
+        return self.budget + self.held_budget
 
     def prefix_bytes(self, query_len: int) -> int:
         """Bytes of one query's K/V (and last hidden state) as the cache holds it."""
