@@ -36,7 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from tpuscore import Scorer
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.default import default_model_path
+from tpuscore.models.loaders.default import default_model_path
 
 # Backends timed on every item, one row each.
 FAST_BACKENDS = ["prefill_extend", "packed_dense", "packed_segment"]

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore.kernels.segment_attention import segment_attention_reference, segment_mask
-from tpuscore.kernels.segment_attention_gpu import (
+from tpuscore.kernels.segment.gpu import (
     GpuBlockSizes,
     executed_tiles_gpu,
     segment_attention_gpu,
 )
+from tpuscore.kernels.segment.tpu import segment_attention_reference, segment_mask
 
 LAYOUTS = {"long": (2000, 500, 20), "sglang": (300, 10, 10), "short": (100, 100, 10)}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}

@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from tpuscore import Batcher, Overloaded, Scorer  # noqa: E402
-from tpuscore.batcher import DEFAULT_MAX_BATCH_TOKENS  # noqa: E402
+from tpuscore.serving.batcher import DEFAULT_MAX_BATCH_TOKENS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ def main() -> None:
     from jax.sharding import Mesh
 
     from tpuscore import Scorer
-    from tpuscore.sharding import broadcast_from_leader
+    from tpuscore.parallel.sharding import broadcast_from_leader
 
     if args.cpu_devices:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

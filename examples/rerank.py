@@ -11,7 +11,8 @@ Qwen/Qwen3-Reranker-0.6B from the Hugging Face hub. The score is P(yes) / (P(yes
 
 import argparse
 
-from tpuscore import Scorer, templates
+from tpuscore import Scorer
+from tpuscore.api import templates
 
 QUERY = "What is the capital of France?"
 PASSAGES = [

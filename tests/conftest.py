@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tpuscore import DefaultModelMissingError, Scorer
-from tpuscore.models.default import default_model_path as find_default_model
+from tpuscore.models.loaders.default import default_model_path as find_default_model
 
 FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
 

@@ -13,8 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpuscore import Scorer, ValidationError
-from tpuscore.models import checkpoint
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import orbax as checkpoint
 from tpuscore.models.weights import param_shapes
 
 pytestmark = pytest.mark.skipif(
@@ -179,10 +179,10 @@ def test_sharded_segment_kernel_lowers_for_tpu_and_cuda(platform):
     Triton (CUDA) kernel in it. Lowering only: not compiled, not run (no such devices here)."""
     from jax._src.pallas.mosaic import tpu_info
 
-    from tpuscore.backends.packed import score_packed
-    from tpuscore.kernels.segment_attention import BlockSizes
-    from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
-    from tpuscore.sharding import make_layout
+    from tpuscore.backends.packed.backend import score_packed
+    from tpuscore.kernels.segment.gpu import GpuBlockSizes
+    from tpuscore.kernels.segment.tpu import BlockSizes
+    from tpuscore.parallel.sharding import make_layout
 
     layout = make_layout(CONFIG, mesh_of(2, 4))
     params = jax.tree_util.tree_map_with_path(

@@ -4,8 +4,13 @@ import pytest
 
 from helpers import compile_events, random_tokens
 from tpuscore.backends import serial
+from tpuscore.backends.buckets import (
+    MIN_LABEL_BUCKET,
+    MIN_TOKEN_BUCKET,
+    bucket_count,
+    bucket_tokens,
+)
 from tpuscore.backends.contract import make_batch
-from tpuscore.buckets import MIN_LABEL_BUCKET, MIN_TOKEN_BUCKET, bucket_count, bucket_tokens
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 24, 25, 100, 3000])

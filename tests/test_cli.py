@@ -15,7 +15,7 @@ import pytest
 
 import tpuscore
 from helpers import random_tokens
-from tpuscore import cli
+from tpuscore.cli import commands as cli
 
 CASE = "qwen3_qknorm"
 

@@ -13,7 +13,7 @@ import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
-from tpuscore.models.gguf import read_gguf
+from tpuscore.models.loaders.gguf import read_gguf
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_round_trip_tokenizer(tmp_path, family, bos, ab):
 
 def test_unknown_pre_tokenizer_warns(tmp_path, caplog):
     path, _ = _tiny_gguf(tmp_path, "qwen2", {"tokenizer.ggml.pre": "mystery"})
-    with caplog.at_level(logging.WARNING, logger="tpuscore.models.gguf"):
+    with caplog.at_level(logging.WARNING, logger="tpuscore.models.loaders.gguf"):
         tok = read_gguf(path).tokenizer
     assert "'mystery'" in caplog.text
     assert tok.encode("the").tokens == ["t", "he"]

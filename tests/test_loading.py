@@ -16,7 +16,7 @@ from tpuscore import (
     Scorer,
     UnsupportedModelError,
 )
-from tpuscore.models import default
+from tpuscore.models.loaders import default
 
 QUERY, ITEMS, LABELS = "the quick fox", [" jumps", "", " é 🙂"], [3, 9, 27]
 

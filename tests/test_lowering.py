@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import QWEN3_0_6B, SMOLLM2_135M
-from tpuscore.backends import packed, prefill_extend, serial
-from tpuscore.kernels.segment_attention import BlockSizes
-from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
+from tpuscore.backends import serial
+from tpuscore.backends.packed import backend as packed
+from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.kernels.segment.gpu import GpuBlockSizes
+from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import param_shapes

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import fresh, random_tokens
-from tpuscore import costs
-from tpuscore.backends import packed, prefill_extend, serial
+from tpuscore.backends import costs, serial
+from tpuscore.backends.packed import backend as packed
+from tpuscore.backends.prefill_extend import backend as prefill_extend
 
 ATOL = 1e-4  # float32
 STEPS = {  # backend -> (module, its jitted step that the injected error fails)
@@ -54,7 +55,7 @@ def test_an_out_of_memory_step_is_retried_smaller_and_exact(
     steps_before = scorer.plan(query, items, [1, 2, 3])[backend].steps
 
     calls = fail_first_call(monkeypatch, *STEPS[backend])
-    with caplog.at_level(logging.WARNING, logger="tpuscore.memory_guard"):
+    with caplog.at_level(logging.WARNING, logger="tpuscore.engine.memory_guard"):
         got = scorer.score(query, items, [1, 2, 3], backend=backend)
     np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
     assert len(calls) > 1

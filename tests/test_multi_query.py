@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from helpers import random_tokens
-from tpuscore import Scorer, backends, costs
-from tpuscore.backends import BackendOutput, packed, prefill_extend
+from tpuscore import Scorer, backends
+from tpuscore.backends import BackendOutput, costs
+from tpuscore.backends.buckets import bucket_tokens
 from tpuscore.backends.contract import make_batch
+from tpuscore.backends.packed import backend as packed
+from tpuscore.backends.prefill_extend import backend as prefill_extend
 from tpuscore.backends.reference import last_token_logprobs
-from tpuscore.buckets import bucket_tokens
 
 CASE = "qwen2_bias"  # one tiny checkpoint for every test here: compiled steps are shared
 MIXING = ("packed_dense", "packed_segment", "prefill_extend")

@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from helpers import compile_events, random_tokens
-from tpuscore import Scorer, ValidationError, costs, packing
+from tpuscore import Scorer, ValidationError
+from tpuscore.backends import costs
+from tpuscore.backends.buckets import MIN_LABEL_BUCKET, bucket_count
 from tpuscore.backends.contract import make_batch
-from tpuscore.buckets import MIN_LABEL_BUCKET, bucket_count
+from tpuscore.backends.packed import packing
 
 PACKED = ("packed_dense", "packed_segment")
 ATOL = 1e-4  # float32

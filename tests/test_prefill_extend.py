@@ -6,7 +6,7 @@ import pytest
 from helpers import random_tokens
 from tpuscore import Scorer, ValidationError
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend import bucket_item_tokens
+from tpuscore.backends.prefill_extend.backend import bucket_item_tokens
 
 ATOL = 1e-4  # float32
 

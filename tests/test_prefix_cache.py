@@ -7,7 +7,7 @@ import pytest
 
 from helpers import random_tokens
 from tpuscore import Scorer
-from tpuscore.prefix_cache import PrefixCache
+from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
 
 ATOL = 1e-4
 

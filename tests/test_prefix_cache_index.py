@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from tpuscore.prefix_cache import PrefixCache
+from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
 
 
 class LinearScan:

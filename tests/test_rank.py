@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from helpers import random_tokens
-from tpuscore import ScoreResult, ValidationError, ranking, templates
-from tpuscore.ranking import rank_result
+from tpuscore import ScoreResult, ValidationError
+from tpuscore.api import templates
+from tpuscore.tasks import ranking
+from tpuscore.tasks.ranking import rank_result
 
 CASE = "llama3_rope_tied"
 VOCAB = 313

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpuscore.kernels.segment_attention import (
+from tpuscore.kernels.segment.tpu import (
     BlockSizes,
     executed_tiles,
     segment_attention,

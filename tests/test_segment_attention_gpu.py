@@ -11,16 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_segment_attention import layout, random_qkv
-from tpuscore.kernels.segment_attention import (
+from tpuscore.kernels.segment.gpu import (
+    GpuBlockSizes,
+    executed_tiles_gpu,
+    segment_attention_gpu,
+)
+from tpuscore.kernels.segment.tpu import (
     BlockSizes,
     executed_tiles,
     segment_attention_reference,
     segment_mask,
-)
-from tpuscore.kernels.segment_attention_gpu import (
-    GpuBlockSizes,
-    executed_tiles_gpu,
-    segment_attention_gpu,
 )
 
 

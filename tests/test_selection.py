@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 from helpers import QWEN3_0_6B, compile_events, fresh, random_tokens
-from tpuscore import Scorer, ValidationError, calibrate, costs, planning, profiles, selection
+from tpuscore import Scorer, ValidationError
+from tpuscore.backends import costs
 from tpuscore.backends.contract import make_batch
 from tpuscore.backends.pool import BackendPool
-from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes
+from tpuscore.cli import calibrate
+from tpuscore.engine import planning, profiles, selection
+from tpuscore.engine.profiles import DeviceProfile
+from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.models.model import Model
-from tpuscore.profiles import DeviceProfile
 
 ATOL = 1e-4  # float32
 

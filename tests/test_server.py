@@ -15,7 +15,8 @@ import uvicorn
 from starlette.routing import Route
 
 from helpers import random_tokens
-from tpuscore import server, templates
+from tpuscore.api import templates
+from tpuscore.serving import app as server
 
 CASE = "qwen3_qknorm"
 MODEL_NAME = "tiny-qwen3"

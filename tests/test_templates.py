@@ -2,7 +2,8 @@
 
 import pytest
 
-from tpuscore import ValidationError, templates
+from tpuscore import ValidationError
+from tpuscore.api import templates
 
 # Qwen3-Reranker's model card example as vLLM's examples/offline_inference/qwen3_reranker.py
 # copies it: tokens = encode(prefix) + encode(format_instruction(...)) + encode(suffix).

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import compile_events, random_tokens
-from tpuscore import Scorer, ValidationError, compilation_cache
+from tpuscore import Scorer, ValidationError
+from tpuscore.engine import compilation_cache
 
 
 def test_a_warmed_geometry_compiles_nothing_when_requests_arrive(scorers, rng):
@@ -125,7 +126,8 @@ FIRST_REQUEST = textwrap.dedent(
     events = []
     monitoring.register_event_listener(lambda event, **_: events.append(event))
     monitoring.register_event_duration_secs_listener(lambda event, _s, **_: events.append(event))
-    from tpuscore import Scorer, ValidationError, compilation_cache
+    from tpuscore import Scorer, ValidationError
+    from tpuscore.engine import compilation_cache
     scorer = Scorer.from_pretrained(sys.argv[1], dtype="float32")
     result = scorer.score([5, 6, 7], [[8, 9], [10]], [11, 12])
     print(json.dumps({

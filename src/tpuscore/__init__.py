@@ -5,17 +5,18 @@
 >>> result.logprobs  # [n_items, n_labels]: log P(label | query + item)
 """
 
-from tpuscore import backends, templates
-from tpuscore.batcher import Batcher, Overloaded
-from tpuscore.errors import ValidationError
-from tpuscore.loglikelihood import LoglikelihoodResult
+from tpuscore import backends
+from tpuscore.api import templates
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.results import ScoreResult
+from tpuscore.api.templates import Template
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
-from tpuscore.models.default import DefaultModelMissingError
+from tpuscore.models.loaders.default import DefaultModelMissingError
 from tpuscore.models.weights import CheckpointMismatchError
-from tpuscore.ranking import RankedItem
-from tpuscore.results import ScoreResult
 from tpuscore.scorer import Scorer
-from tpuscore.templates import Template
+from tpuscore.serving.batcher import Batcher, Overloaded
+from tpuscore.tasks.loglikelihood import LoglikelihoodResult
+from tpuscore.tasks.ranking import RankedItem
 
 __all__ = [
     "Batcher",

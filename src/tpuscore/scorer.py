@@ -11,30 +11,25 @@ import jax
 import numpy as np
 import tokenizers
 
-from tpuscore import (
-    compilation_cache,
-    loglikelihood,
-    memory_guard,
-    planning,
-    progress,
-    ranking,
-    selection,
-    sharding,
-    validation,
-)
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.results import ScoreResult
+from tpuscore.api.templates import Template
 from tpuscore.backends import registry
 from tpuscore.backends.pool import BackendPool
-from tpuscore.loglikelihood import LoglikelihoodResult
-from tpuscore.models import checkpoint, loading
+from tpuscore.engine import compilation_cache, memory_guard, planning, progress, selection
+from tpuscore.engine.profiles import DeviceProfile
+from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
+from tpuscore.models import loaders as loading
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import orbax as checkpoint
 from tpuscore.models.model import Model, resolve_dtype
 from tpuscore.models.weights import Params
-from tpuscore.profiles import DeviceProfile
-from tpuscore.ranking import RankedItem
-from tpuscore.results import ScoreResult
-from tpuscore.templates import Template
-from tpuscore.validation import ScoreRequest, ValidationError
-from tpuscore.warmup import DEFAULT_GEOMETRIES, Warmed, warm
+from tpuscore.parallel import sharding
+from tpuscore.tasks import loglikelihood, ranking
+from tpuscore.tasks.loglikelihood import LoglikelihoodResult
+from tpuscore.tasks.ranking import RankedItem
 
 
 class Scorer:
@@ -118,8 +113,8 @@ class Scorer:
                 process loads them instead of compiling (default: the TPUSCORE_COMPILATION_CACHE
                 environment variable; neither: off). Process-wide, as JAX's setting is.
             profile: the device profile "auto" prices backends with: a `DeviceProfile` or the
-                path of one (`python -m tpuscore.calibrate` writes it); default the built-in
-                profile of this device kind (`tpuscore.profiles`).
+                path of one (`python -m tpuscore.cli.calibrate` writes it); default the built-in
+                profile of this device kind (`tpuscore.engine.profiles`).
             mesh: shard the scorer over this `jax.sharding.Mesh` with axes "data" (request rows)
                 and "model" (attention heads and the MLP width; it must divide the kv heads).
                 On several hosts, a mesh over every process's devices (docs/sharding.md).
@@ -180,7 +175,7 @@ class Scorer:
         """log P(label | query + item) at the next-token position after each item.
 
         Text queries get the tokenizer's special tokens, items none; see
-        `tpuscore.tokenization` for why the pieces are tokenized separately.
+        `tpuscore.api.tokenization` for why the pieces are tokenized separately.
 
         Args:
             query: text, or token ids.
@@ -295,16 +290,18 @@ class Scorer:
         return validation.validate(
             query,
             items,
-            label_token_ids,
-            labels,
-            apply_softmax=apply_softmax,
-            item_first=item_first,
+            ScoreOptions(
+                label_token_ids=label_token_ids,
+                labels=labels,
+                apply_softmax=apply_softmax,
+                item_first=item_first,
+                item_suffix=item_suffix,
+                max_item_tokens=max_item_tokens,
+                truncate=truncate,
+            ),
             tokenizer=self.tokenizer,
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
-            item_suffix=item_suffix,
-            max_item_tokens=max_item_tokens,
-            truncate=truncate,
         )
 
     def run(
@@ -324,7 +321,7 @@ class Scorer:
             ValidationError: an unknown backend, or one that cannot score a request
                 (`unknown_backend`, `unsupported_option`).
         """
-        name = validation.backend_name(self.default_backend if backend is None else backend)
+        name = registry.backend_name(self.default_backend if backend is None else backend)
         results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
         planned = planning.plan(requests, name, self.selector, self.backends)
         if on_progress is not None:
@@ -367,7 +364,7 @@ class Scorer:
             labels, label_token_ids: as in `score`, at least two; not with a template.
             positive: the index of the positive label.
             top_k: return only the best top_k (default all).
-            template: a `tpuscore.templates` name (e.g. "qwen3-reranker", "plain") or a
+            template: a `tpuscore.api.templates` name (e.g. "qwen3-reranker", "plain") or a
                 `Template`: it renders the query and items and supplies the item suffix and
                 the labels.
             instruction: the template's instruction (default the template's own).
@@ -407,7 +404,7 @@ class Scorer:
         backend: str | None = None,
     ) -> list[LoglikelihoodResult]:
         """log P(continuation | context) for each continuation, with lm-evaluation-harness
-        semantics (`tpuscore.loglikelihood` documents the tokenization).
+        semantics (`tpuscore.tasks.loglikelihood` documents the tokenization).
 
         Args:
             context: text (encoded with special tokens) or token ids.
@@ -436,7 +433,7 @@ class Scorer:
 
         Args:
             geometries: (query_tokens, num_items, item_tokens) triples; default
-                `tpuscore.warmup.DEFAULT_GEOMETRIES`, a typical ranking service's.
+                `tpuscore.engine.warmup.DEFAULT_GEOMETRIES`, a typical ranking service's.
             backends: the backends to warm for each; default the one `score` would run.
 
         Returns:
@@ -449,7 +446,7 @@ class Scorer:
                 `sequence_too_long`), with `param` naming it ("geometries[1]"); checked before
                 any runs. An unknown backend (`unknown_backend`).
         """
-        names = [validation.backend_name(b) for b in backends or [self.default_backend]]
+        names = [registry.backend_name(b) for b in backends or [self.default_backend]]
         geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
         return warm(self.backends, self.prepare, self.selector, names, geometries)
 

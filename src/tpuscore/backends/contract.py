@@ -17,8 +17,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore.buckets import MIN_LABEL_BUCKET, bucket_count, bucket_tokens
-from tpuscore.sharding import to_host
+from tpuscore.backends.buckets import MIN_LABEL_BUCKET, bucket_count, bucket_tokens
+from tpuscore.parallel.sharding import to_host
 
 
 @attrs.frozen

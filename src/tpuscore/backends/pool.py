@@ -6,7 +6,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from tpuscore import validation
 from tpuscore.backends import registry
 from tpuscore.models.model import Model
 
@@ -18,7 +17,7 @@ class BackendPool:
     def __init__(self, model: Model, options: Mapping[str, Mapping[str, Any]] | None):
         self.model = model
         options = options or {}
-        self._options = {name: validation.backend_options(name, options[name]) for name in options}
+        self._options = {name: registry.backend_options(name, options[name]) for name in options}
         self._instances: dict[str, registry.Backend] = {}
         self._lock = threading.Lock()
 
@@ -31,7 +30,7 @@ class BackendPool:
     def get(self, name: str) -> registry.Backend:
         with self._lock:
             if name not in self._instances:
-                reg = registry.registration(validation.backend_name(name))
+                reg = registry.registration(registry.backend_name(name))
                 options = self._options.get(name)
                 if options is None and reg.options is not None:
                     options = reg.options()

@@ -13,7 +13,7 @@ from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
-from tpuscore.sharding import to_host
+from tpuscore.parallel.sharding import to_host
 
 
 def _einsum(spec: str, *operands: np.ndarray) -> np.ndarray:

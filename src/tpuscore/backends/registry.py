@@ -8,11 +8,12 @@ validates itself), or None for a backend registered without one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
+from tpuscore.api.errors import ValidationError
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
 
 AUTO = "auto"
@@ -117,3 +118,56 @@ def available() -> list[str]:
 
 def registration(name: str) -> Registration:
     return _REGISTRY[name]
+
+
+def backend_name(name: Any) -> str:
+    """A registered backend's name, or "auto"."""
+    if name != AUTO and name not in available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend {name!r} is not registered; available: {', '.join([AUTO, *available()])}",
+            "backend",
+        )
+    return name
+
+
+def check_capabilities(name: str, item_first: bool) -> None:
+    """Refuse a request the backend cannot score."""
+    if item_first and not registration(name).capabilities.item_first:
+        raise ValidationError(
+            "unsupported_option",
+            f"backend {name!r} runs the query once as a prefix shared by all items, "
+            "so it cannot put items first; use backend='serial' or 'auto'",
+            "item_first",
+        )
+
+
+def backend_options(name: Any, options: Any) -> Any:
+    """The options instance for backend `name` from a mapping of its option names to values."""
+    where = f"backend_options.{name}"
+    if name == AUTO or name not in available():
+        raise ValidationError(
+            "unknown_backend",
+            f"backend_options names unknown backend {name!r}; available: {', '.join(available())}",
+            "backend_options",
+        )
+    if not isinstance(options, Mapping):
+        raise ValidationError(
+            "invalid_backend_option", f"{where} must be a mapping, got {options!r}", where
+        )
+    cls = registration(name).options
+    allowed = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    unknown = sorted(set(options) - set(allowed), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_backend_option",
+            f"{where}: unknown option(s) {unknown}; {name} takes "
+            f"{', '.join(allowed) if allowed else 'no options'}",
+            f"{where}.{unknown[0]}",
+        )
+    if cls is None:
+        return None
+    try:
+        return cls(**options)
+    except ValidationError as e:
+        raise e.within(where) from None

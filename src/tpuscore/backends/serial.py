@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore import costs
+from tpuscore.api.errors import check_int
+from tpuscore.backends import costs
+from tpuscore.backends.buckets import bucket_tokens
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
-from tpuscore.buckets import bucket_tokens
-from tpuscore.errors import check_int
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model

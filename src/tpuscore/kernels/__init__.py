@@ -1,1 +1,1 @@
-"""Pallas kernels, each with a pure-jnp reference beside it (none yet)."""
+"""Device kernels, each with a pure-jnp reference beside it."""

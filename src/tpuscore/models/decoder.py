@@ -16,10 +16,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tpuscore.costs import score_block_tokens
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
+
+CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
+SCORE_BLOCK_BYTES = 256 << 20
+
+
+def score_block_tokens(tokens: int, bytes_per_token: int) -> int:
+    """The largest divisor of tokens whose attention scores fit the score block (at least 1)."""
+    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
+    fits = max(1, budget // bytes_per_token)
+    return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
+
 
 f32 = jnp.float32
 

@@ -1,5 +1,5 @@
 """`Model`: what a backend is built from: the config, the parameters on device, their dtype, and
-the layout that places them and the backends' arrays (`tpuscore.sharding`)."""
+the layout that places them and the backends' arrays (`tpuscore.parallel.sharding`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
-from tpuscore.sharding import ONE_DEVICE, Layout
+from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

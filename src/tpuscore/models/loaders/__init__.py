@@ -17,10 +17,11 @@ import numpy as np
 import safetensors
 import tokenizers
 
-from tpuscore.models import checkpoint, default, gguf
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import default, gguf
+from tpuscore.models.loaders import orbax as checkpoint
 from tpuscore.models.weights import Params, params_from_checkpoint
-from tpuscore.sharding import ONE_DEVICE, Layout
+from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
 

@@ -27,11 +27,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from tpuscore import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.results import ScoreResult
+from tpuscore.api.validation import ScoreRequest
 from tpuscore.backends import registry
-from tpuscore.errors import ValidationError
-from tpuscore.results import ScoreResult
-from tpuscore.validation import ScoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +132,9 @@ class Batcher:
         self._check_open()
         backend = score_kwargs.pop("backend", None)
         request = self.scorer.prepare(**score_kwargs)
-        name = validation.backend_name(self.scorer.default_backend if backend is None else backend)
+        name = registry.backend_name(self.scorer.default_backend if backend is None else backend)
         if name != registry.AUTO:  # "auto" picks per group, at run time, a backend that can
-            validation.check_capabilities(name, request.item_first)
+            registry.check_capabilities(name, request.item_first)
         tokens = len(request.query) + sum(map(len, request.items))
         future: Future[ScoreResult] = Future()
         with self._cond:

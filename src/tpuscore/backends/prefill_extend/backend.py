@@ -25,21 +25,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore import costs
+from tpuscore.api.errors import check_int
+from tpuscore.backends import costs
+from tpuscore.backends.buckets import bucket_count, bucket_tokens
 from tpuscore.backends.contract import (
     BackendOutput,
     GroupsOutputBuilder,
     ScoreBatch,
     stack_labels,
 )
-from tpuscore.buckets import bucket_count, bucket_tokens
-from tpuscore.errors import check_int
+from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
-from tpuscore.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Device profiles: the constants `selection.py`'s time model prices a step with.
 
-A profile is a JSON file (`DeviceProfile.save` writes one; `python -m tpuscore.calibrate` fits
+A profile is a JSON file (`DeviceProfile.save` writes one; `python -m tpuscore.cli.calibrate` fits
 one on the current machine). The built-in ones sit next to this module: `cpu.json` was measured on
 a 2-core CPU by the calibration script; `tpu-v5e.json`, `tpu-v6e.json` and `h100.json` come from
 the chips' spec sheets and say `"measured": false`. `for_device` picks one by device kind.
@@ -78,7 +78,7 @@ def for_device(device: jax.Device | None = None) -> DeviceProfile:
             return profile
     fallback = FALLBACK.get(device.platform, "cpu")
     logger.warning(
-        "no device profile for %r; using %r (run python -m tpuscore.calibrate for one)",
+        "no device profile for %r; using %r (run python -m tpuscore.cli.calibrate for one)",
         device.device_kind, fallback,
     )  # fmt: skip
     return built_in(fallback)

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 import jax
 
-from tpuscore import costs
-from tpuscore.backends import registry
+from tpuscore.backends import costs, registry
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
 
 logger = logging.getLogger(__name__)

@@ -40,20 +40,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore import costs, validation
-from tpuscore.backends import registry
-from tpuscore.backends.prefill_extend import (
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.backends import costs, registry
+from tpuscore.backends.buckets import pow2_floor
+from tpuscore.backends.prefill_extend.backend import (
     MAX_BATCH_TOKENS,
     PrefillExtendBackend,
     bucket_item_tokens,
 )
-from tpuscore.buckets import pow2_floor
-from tpuscore.errors import ValidationError
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import Params
-from tpuscore.sharding import to_host
+from tpuscore.parallel.sharding import to_host
 
 if TYPE_CHECKING:
     from tpuscore.scorer import Scorer
@@ -104,7 +104,7 @@ def loglikelihood(
     scorer: Scorer, context: Any, continuations: Any, *, backend: str | None = None
 ) -> list[LoglikelihoodResult]:
     """`Scorer.loglikelihood`: validate, then run on the scorer's prefill_extend instance."""
-    name = validation.backend_name(BACKEND if backend is None else backend)
+    name = registry.backend_name(BACKEND if backend is None else backend)
     if name not in (registry.AUTO, BACKEND):
         raise ValidationError(
             "unsupported_option",

@@ -18,7 +18,7 @@ import tokenizers
 
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, param_shapes
-from tpuscore.sharding import ONE_DEVICE, Layout
+from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 MARKER = "tpuscore.json"
 FORMAT = 1

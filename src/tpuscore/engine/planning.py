@@ -15,12 +15,12 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from tpuscore import selection, validation
+from tpuscore.api.results import ScoreResult
+from tpuscore.api.validation import ScoreRequest
 from tpuscore.backends import registry
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, make_batch
 from tpuscore.backends.pool import BackendPool
-from tpuscore.results import ScoreResult
-from tpuscore.validation import ScoreRequest
+from tpuscore.engine import selection
 
 
 @attrs.frozen
@@ -88,7 +88,7 @@ def plan(
                     names[i] = name
     planned = list(zip(groups, names, strict=True))
     for g, name in planned:
-        validation.check_capabilities(name, g.batch.item_first)
+        registry.check_capabilities(name, g.batch.item_first)
     for name, named in by_backend(planned).items():
         selection.check_fits(name, pool.get(name), [g.batch for g in named])
     return planned

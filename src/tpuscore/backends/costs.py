@@ -19,15 +19,13 @@ import attrs
 import jax
 import numpy as np
 
-from tpuscore.buckets import pow2_floor
+from tpuscore.backends.buckets import pow2_floor
 from tpuscore.models.config import ModelConfig
 
 CPU_CACHE_BYTES = 1 << 30
 ACCELERATOR_CACHE_SHARE = 0.1
 CPU_ACTIVATION_BYTES = 1 << 28
 ACCELERATOR_ACTIVATION_SHARE = 0.125
-CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `decoder._prefix_parts`
-SCORE_BLOCK_BYTES = 256 << 20
 
 
 def memory_budget(accelerator_share: float, cpu_bytes: int) -> int:
@@ -122,7 +120,9 @@ def packed_step_bytes(
 ) -> int:
     """One packed step of `rows` sequences of `length` tokens, each scoring `slots` positions:
     the rows' layer memory, and their float32 logits and log-softmax over the vocabulary."""
-    return rows * (packed_bytes(config, length, dense_mask=dense_mask) + logits_bytes(config, slots))
+    return rows * (
+        packed_bytes(config, length, dense_mask=dense_mask) + logits_bytes(config, slots)
+    )
 
 
 def logits_bytes(config: ModelConfig, slots: int) -> int:
@@ -147,9 +147,9 @@ def extend_batch_rows(
 
     Per item token, in float32: activations, and scores and exp weights against its own item.
     Scores against a prefix shared by the whole step go through fixed-size blocks
-    (`score_block_tokens`). With a prefix per row (rows of different queries, stacked and padded
-    to `row_prefix_len` positions), each row also holds its own copy of that prefix's K/V, and its
-    scores against it are not blocked."""
+    (`decoder.score_block_tokens`). With a prefix per row (rows of different queries, stacked and
+    padded to `row_prefix_len` positions), each row also holds its own copy of that prefix's K/V,
+    and its scores against it are not blocked."""
     per_token = extend_row_bytes(config, item_len, row_prefix_len) // item_len
     return pow2_floor(min(max_tokens, budget // per_token) // item_len)
 
@@ -193,13 +193,6 @@ def prefill_rows(
     fits the budget, with at most max_tokens tokens in all (at least 1)."""
     per_row = prefill_row_bytes(config, length, base_len)
     return pow2_floor(min(budget // per_row, max_tokens // length))
-
-
-def score_block_tokens(tokens: int, bytes_per_token: int) -> int:
-    """The largest divisor of tokens whose attention scores fit the score block (at least 1)."""
-    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
-    fits = max(1, budget // bytes_per_token)
-    return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
 
 
 @attrs.frozen

@@ -41,7 +41,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tpuscore import Batcher, Overloaded, Scorer, ValidationError, ranking, templates
+from tpuscore import Batcher, Overloaded, Scorer, ValidationError
+from tpuscore.api import templates
+from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +434,7 @@ def create_app(
 ) -> Starlette:
     """The ASGI app serving `scorer`.
 
-    rerank_template is a `tpuscore.templates` name or a `Template` of your own. The app builds a
+    rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app builds a
     Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at shutdown,
     unless given one to share, which the caller closes. Raises ValueError for an unknown
     template name or a limit below 1."""

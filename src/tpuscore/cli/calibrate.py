@@ -1,4 +1,4 @@
-"""Fit a device profile on this machine: `python -m tpuscore.calibrate --out my-device.json`.
+"""Fit a device profile on this machine: `python -m tpuscore.cli.calibrate --out my-device.json`.
 
 Times every backend that runs compiled here on a grid of request geometries (query tokens, items,
 item tokens) with the default model (or --model), each on a cold prefix cache, warm executables,
@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from scipy.optimize import nnls
 
-from tpuscore import planning, selection
 from tpuscore.backends import registry
-from tpuscore.profiles import DeviceProfile
+from tpuscore.engine import planning, selection
+from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.scorer import Scorer
 
 # (query tokens, items, item tokens): spans queries of 0-4000 tokens, 1-2000 items of 1-200 tokens.
@@ -150,13 +150,13 @@ def profile_from(coef: np.ndarray, dtype: str, penalty: float, command: str) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpuscore.calibrate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tpuscore.cli.calibrate", description=__doc__)
     parser.add_argument("--model", default=None, help="default: the embedded default model")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out", default="tpuscore-profile.json", help="the profile to write")
     parser.add_argument("--measurements", help="also write every timing and estimate as JSON")
     args = parser.parse_args(argv)
-    command = "python -m tpuscore.calibrate " + " ".join(argv or sys.argv[1:])
+    command = "python -m tpuscore.cli.calibrate " + " ".join(argv or sys.argv[1:])
     print(f"# {command}\n# {platform.platform()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}", flush=True)  # fmt: skip
     scorer = Scorer.from_pretrained(args.model, dtype=args.dtype)

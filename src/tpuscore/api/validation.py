@@ -1,50 +1,29 @@
 """Input validation: every bad request stops here with a `ValidationError`; none reaches a backend.
 
-This is the one boundary for errors a caller can cause: the request itself, the shape of a
-`score_batch` request, the backend's name, its options and whether it supports the request.
+This is the one boundary for errors a caller can cause: the request itself, and the shape of a
+`score_batch` request (the backend's name and options are checked by `backends.registry`).
 Text is tokenized here too (`tokenization.py`), so the checks that follow (token ranges, empty
 and over-long sequences) see exactly the tokens a backend will.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
-import attrs
 import numpy as np
 import tokenizers
 
-from tpuscore import tokenization
-from tpuscore.backends import registry
-from tpuscore.errors import ValidationError
-
-# The arguments of `Scorer.score` that a `score_batch` request may carry; the first two required.
-SCORE_ARGUMENTS = (
-    "query",
-    "items",
-    "label_token_ids",
-    "labels",
-    "apply_softmax",
-    "item_first",
-    "item_suffix",
-    "max_item_tokens",
-    "truncate",
+from tpuscore.api import tokenization
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import (
+    SCORE_ARGUMENTS,
+    TRUNCATE_SIDES,
+    LoglikelihoodRequest,
+    ScoreOptions,
+    ScoreRequest,
 )
-TRUNCATE_SIDES = ("right", "left")  # right keeps an item's first tokens, left its last
-
-
-@attrs.frozen
-class ScoreRequest:
-    """A validated request as token ids."""
-
-    query: list[int]
-    items: list[list[int]]
-    label_ids: list[int]
-    item_first: bool
-    apply_softmax: bool
 
 
 def _is_token_list(value: Any) -> bool:
@@ -141,21 +120,17 @@ def _require(tokenizer: tokenizers.Tokenizer | None, param: str) -> tokenizers.T
 def validate(
     query: Any,
     items: Any,
-    label_token_ids: Any,
-    labels: Any,
+    options: ScoreOptions,
     *,
-    apply_softmax: Any,
-    item_first: Any,
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
-    item_suffix: Any = None,
-    max_item_tokens: Any = None,
-    truncate: Any = "right",
 ) -> ScoreRequest:
-    """Check a `Scorer.score` call and turn it into token ids."""
-    _check_bool(apply_softmax, "apply_softmax")
-    _check_bool(item_first, "item_first")
+    """Check a `Scorer.score` call (its query, items and `ScoreOptions`) and turn it into token
+    ids."""
+    _check_bool(options.apply_softmax, "apply_softmax")
+    _check_bool(options.item_first, "item_first")
+    max_item_tokens, truncate = options.max_item_tokens, options.truncate
     _check_truncation(max_item_tokens, truncate)
 
     if isinstance(query, str):
@@ -191,8 +166,8 @@ def validate(
             )
         if item_text:
             check_text(item, f"items[{i}]")
-    label_ids = _labels(label_token_ids, labels, tokenizer, vocab_size)
-    suffix_ids = _item_suffix(item_suffix, tokenizer, vocab_size)
+    label_ids = _labels(options.label_token_ids, options.labels, tokenizer, vocab_size)
+    suffix_ids = _item_suffix(options.item_suffix, tokenizer, vocab_size)
 
     if text:
         check_text(query, "query")
@@ -226,7 +201,9 @@ def validate(
                 f"the model takes at most {max_sequence_length}{hint}",
                 "items",
             )
-    return ScoreRequest(query_ids, item_ids, label_ids, bool(item_first), bool(apply_softmax))
+    return ScoreRequest(
+        query_ids, item_ids, label_ids, bool(options.item_first), bool(options.apply_softmax)
+    )
 
 
 def check_text(value: str, param: str) -> None:
@@ -288,15 +265,6 @@ def _item_suffix(
     return _token_ids(item_suffix, "item_suffix", "invalid_argument", vocab_size)
 
 
-@attrs.frozen
-class LoglikelihoodRequest:
-    """A validated `Scorer.loglikelihood` call as token ids: a non-empty context and non-empty
-    continuations."""
-
-    context: list[int]
-    continuations: list[list[int]]
-
-
 def validate_loglikelihood(
     context: Any,
     continuations: Any,
@@ -309,7 +277,7 @@ def validate_loglikelihood(
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
-    without (`tpuscore.loglikelihood` says where this differs from the harness).
+    without (`tpuscore.tasks.loglikelihood` says where this differs from the harness).
     """
     if isinstance(context, str):
         text = True
@@ -406,58 +374,3 @@ def batch_request(request: Any, where: str) -> dict[str, Any]:
         if name not in request:
             raise ValidationError("invalid_argument", f"{where} has no {name!r}", f"{where}.{name}")
     return dict(request)
-
-
-def backend_name(name: Any) -> str:
-    """A registered backend's name, or "auto"."""
-    if name != registry.AUTO and name not in registry.available():
-        raise ValidationError(
-            "unknown_backend",
-            f"backend {name!r} is not registered; available: "
-            f"{', '.join([registry.AUTO, *registry.available()])}",
-            "backend",
-        )
-    return name
-
-
-def check_capabilities(name: str, item_first: bool) -> None:
-    """Refuse a request the backend cannot score."""
-    if item_first and not registry.registration(name).capabilities.item_first:
-        raise ValidationError(
-            "unsupported_option",
-            f"backend {name!r} runs the query once as a prefix shared by all items, "
-            "so it cannot put items first; use backend='serial' or 'auto'",
-            "item_first",
-        )
-
-
-def backend_options(name: Any, options: Any) -> Any:
-    """The options instance for backend `name` from a mapping of its option names to values."""
-    where = f"backend_options.{name}"
-    if name == registry.AUTO or name not in registry.available():
-        raise ValidationError(
-            "unknown_backend",
-            f"backend_options names unknown backend {name!r}; available: "
-            f"{', '.join(registry.available())}",
-            "backend_options",
-        )
-    if not isinstance(options, Mapping):
-        raise ValidationError(
-            "invalid_backend_option", f"{where} must be a mapping, got {options!r}", where
-        )
-    cls = registry.registration(name).options
-    allowed = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
-    unknown = sorted(set(options) - set(allowed), key=str)
-    if unknown:
-        raise ValidationError(
-            "invalid_backend_option",
-            f"{where}: unknown option(s) {unknown}; {name} takes "
-            f"{', '.join(allowed) if allowed else 'no options'}",
-            f"{where}.{unknown[0]}",
-        )
-    if cls is None:
-        return None
-    try:
-        return cls(**options)
-    except ValidationError as e:
-        raise e.within(where) from None

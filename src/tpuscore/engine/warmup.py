@@ -21,9 +21,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore import planning
+from tpuscore.api.validation import ScoreRequest, ValidationError
 from tpuscore.backends.pool import BackendPool
-from tpuscore.validation import ScoreRequest, ValidationError
+from tpuscore.engine import planning
 
 logger = logging.getLogger(__name__)
 

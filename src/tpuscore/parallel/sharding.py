@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import jax
@@ -39,9 +39,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpuscore.buckets import bucket_count
-from tpuscore.errors import ValidationError
-from tpuscore.models.config import ModelConfig
+from tpuscore.api.errors import ValidationError
+
+if TYPE_CHECKING:  # the layout sits below the models; it reads two of a config's sizes
+    from tpuscore.models.config import ModelConfig
 
 DATA, MODEL = "data", "model"
 
@@ -85,7 +86,7 @@ class Layout:
     def rows(self, n: int) -> int:
         """The padded row count of a step with n rows: a power of two, and a multiple of the data
         axis so each device gets the same number."""
-        rows = bucket_count(n)
+        rows = 1 << max(n - 1, 0).bit_length()  # a power of two, as row buckets are
         return -(-rows // self.data) * self.data
 
     def param_sharding(self, path: tuple[str, ...]) -> jax.sharding.Sharding:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tpuscore.kernels.segment_attention import MASK_VALUE, _first_segment_key
+from tpuscore.kernels.segment.tpu import MASK_VALUE, _first_segment_key
 
 
 def _power_of_two(n: int) -> bool:

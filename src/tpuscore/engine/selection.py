@@ -2,7 +2,7 @@
 
 Every built-in backend describes the steps it would run for a call (`work(batches)`: its own
 bucketing, chunking, batching and prefix-cache hits) as `costs.StepWork`. A device profile
-(`tpuscore.profiles`) prices each step:
+(`tpuscore.engine.profiles`) prices each step:
 
     seconds = step_seconds + flops / matmul rate + bytes / bandwidth + scores * score_seconds
 
@@ -21,13 +21,12 @@ from collections.abc import Sequence
 import attrs
 import jax
 
-from tpuscore import costs
-from tpuscore.backends import registry
+from tpuscore.api.errors import ValidationError
+from tpuscore.backends import costs, registry
 from tpuscore.backends.contract import ScoreBatch
 from tpuscore.backends.pool import BackendPool
-from tpuscore.errors import ValidationError
+from tpuscore.engine.profiles import DeviceProfile, for_device
 from tpuscore.models.model import Model
-from tpuscore.profiles import DeviceProfile, for_device
 
 logger = logging.getLogger(__name__)
 

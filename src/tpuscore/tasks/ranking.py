@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from tpuscore import progress, templates
-from tpuscore.errors import ValidationError
-from tpuscore.results import ScoreResult
-from tpuscore.validation import check_text
+from tpuscore.api import templates
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.results import ScoreResult
+from tpuscore.api.validation import check_text
+from tpuscore.engine import progress
 
 if TYPE_CHECKING:
     from tpuscore.scorer import Scorer

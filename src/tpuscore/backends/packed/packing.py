@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 import attrs
 import numpy as np
 
+from tpuscore.backends.buckets import bucket_count
 from tpuscore.backends.contract import ScoreBatch
-from tpuscore.buckets import bucket_count
 
 
 @attrs.frozen

@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--profile",
         metavar="PATH",
-        help="a device profile for auto (python -m tpuscore.calibrate writes one); default: the "
-        "built-in one for this device kind",
+        help="a device profile for auto (tpuscore calibrate writes one); default: the built-in "
+        "one for this device kind",
     )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
@@ -361,7 +361,7 @@ def _dumps(value: Any) -> str:
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
-        from tpuscore import server
+        from tpuscore.serving import app as server
     except ImportError as e:
         raise EnvironmentProblem(
             f"tpuscore serve needs the server extra ({e.name} is missing): "

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import attrs
 
-from tpuscore.errors import ValidationError
+from tpuscore.api.errors import ValidationError
 
 
 @attrs.frozen

@@ -26,17 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore import costs, packing
+from tpuscore.api.errors import ValidationError, check_int
+from tpuscore.backends import costs
+from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
-from tpuscore.buckets import bucket_count, bucket_tokens, pow2_floor
-from tpuscore.errors import ValidationError, check_int
-from tpuscore.kernels.segment_attention import BlockSizes, segment_attention, segment_mask
-from tpuscore.kernels.segment_attention_gpu import GpuBlockSizes, segment_attention_gpu
+from tpuscore.backends.packed import packing
+from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
+from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention, segment_mask
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
-from tpuscore.sharding import ONE_DEVICE, Layout
+from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 logger = logging.getLogger(__name__)
 

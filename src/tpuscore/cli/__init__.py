@@ -1,0 +1,5 @@
+"""The `tpuscore` command."""
+
+from tpuscore.cli.commands import main
+
+__all__ = ["main"]

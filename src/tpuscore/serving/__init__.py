@@ -1,0 +1,1 @@
+"""On top of the facade: the Batcher and the HTTP server."""
