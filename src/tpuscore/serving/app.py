@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,14 @@ import prometheus_client
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from tpuscore import Batcher, Overloaded, Scorer, ValidationError
-from tpuscore.api import templates
+from tpuscore.api import templates, tokenization
+from tpuscore.serving import guards
+from tpuscore.serving.batcher import DeadlineExceeded
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ SCORE_DEFAULTS_ONLY = {
 RERANK_V1_DEFAULTS_ONLY = {"rank_fields": None, "max_chunks_per_doc": None}
 RERANK_V2_DEFAULTS_ONLY = {"relevant_spans": None, "priority": 0}
 
-ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class ApiError(Exception):
@@ -223,7 +225,8 @@ class Service:
         if isinstance(items, str):  # SGLang takes one text item as a bare string
             items = [items]
         self.check_count(items, "items")
-        result = await self.batcher.score_async(
+        result = await self.scored(
+            request,
             query=body.get("query"),
             items=items,
             label_token_ids=body.get("label_token_ids"),
@@ -249,7 +252,8 @@ class Service:
         return_documents = body.get("return_documents", True)
         if not isinstance(return_documents, bool):
             raise invalid("return_documents", f"must be a bool, got {return_documents!r}")
-        ranked, result, num_docs = await self.rerank(body, body.get("max_tokens_per_doc"))
+        max_tokens = body.get("max_tokens_per_doc")
+        ranked, result, num_docs = await self.rerank(request, body, max_tokens)
         self.metrics.scored(request.url.path, num_docs, result)
         results = []
         for r in ranked:
@@ -270,7 +274,7 @@ class Service:
         body = await self.read_json(request)
         check_fields(body, RERANK_V2_FIELDS, RERANK_V2_DEFAULTS_ONLY)
         max_tokens = body.get("max_tokens_per_doc", COHERE_MAX_TOKENS_PER_DOC)
-        ranked, result, num_docs = await self.rerank(body, max_tokens)
+        ranked, result, num_docs = await self.rerank(request, body, max_tokens, fit=True)
         self.metrics.scored(request.url.path, num_docs, result)
         tokens = {"input_tokens": result.num_tokens, "output_tokens": 0}
         return JSONResponse(
@@ -281,11 +285,15 @@ class Service:
             }
         )
 
-    async def rerank(self, body: dict[str, Any], max_tokens: Any):
+    async def rerank(
+        self, request: Request, body: dict[str, Any], max_tokens: Any, *, fit: bool = False
+    ):
         """(ranked documents, ScoreResult, document count) under the server's template.
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
-        computes it; `top_n` null or 0 returns every document (vLLM's default is 0)."""
+        computes it; `top_n` null or 0 returns every document (vLLM's default is 0). With fit,
+        each document is also cut to what fits beside the query (Cohere's v2 behaviour) instead
+        of failing sequence_too_long."""
         query = body.get("query")
         if not isinstance(query, str):
             raise invalid("query", f"must be a string, got {query!r}", code="invalid_query")
@@ -301,9 +309,15 @@ class Service:
         docs = documents(body.get("documents"))
         self.check_count(docs, "documents")
         t = self.template
+        rendered = t.render_query(query, instruction=instruction)
+        if fit and self.scorer.tokenizer is not None:
+            room = await asyncio.to_thread(self.room_beside, rendered)
+            if room >= 1:
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
         try:
-            result = await self.batcher.score_async(
-                query=t.render_query(query, instruction=instruction),
+            result = await self.scored(
+                request,
+                query=rendered,
                 items=[t.render_item(doc) for doc in docs],
                 labels=list(t.labels),
                 item_suffix=t.item_suffix,
@@ -315,6 +329,21 @@ class Service:
             raise ValidationError(e.code, str(e), param) from None
         ranked = ranking.rank_result(result, docs, positive=0, top_k=top_n or None)
         return ranked, result, len(docs)
+
+    def room_beside(self, rendered_query: str) -> int:
+        """A document's most tokens beside this query under the template: the model's positions
+        less the query's and the item suffix's tokens."""
+        tokenizer = self.scorer.tokenizer
+        query = tokenization.encode_query(tokenizer, rendered_query)
+        suffix = tokenization.encode_suffix(tokenizer, self.template.item_suffix or "")
+        return self.scorer.config.max_position_embeddings - len(query) - len(suffix)
+
+    async def scored(self, request: Request, **score_kwargs: Any):
+        """The Batcher's result for this HTTP request, under its deadline (the header, at most
+        the server's), dropped unscored if its client disconnects first."""
+        timeout_s = guards.request_timeout(request.headers, self.batcher.request_timeout_s)
+        work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
+        return await guards.unless_disconnected(request.receive, work)
 
     # -- GET /health, /v1/models, /metrics ------------------------------------------------------
 
@@ -352,12 +381,15 @@ class Service:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self.too_large()
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise self.too_large()
         try:
-            value = json.loads(body)
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise self.too_large()
+        except ClientDisconnect:
+            raise guards.ClientDisconnected() from None
+        try:
+            value = guards.parse_json(bytes(body))
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
         if not isinstance(value, dict):
@@ -398,6 +430,12 @@ class Service:
             except Overloaded as e:
                 headers = {"Retry-After": str(RETRY_AFTER_S)}
                 response = ApiError(503, "overloaded", str(e), headers=headers).response()
+            except DeadlineExceeded as e:
+                response = ApiError(504, "deadline_exceeded", str(e)).response()
+            except guards.ClientDisconnected:
+                path = request.url.path
+                logger.info("%s %s: the client disconnected; dropped", request.method, path)
+                response = Response(status_code=guards.CLIENT_CLOSED)
             except Exception as e:  # noqa: BLE001 (a bug answers 500; the server stays up)
                 logger.exception("%s %s failed", request.method, request.url.path)
                 message = f"internal error ({type(e).__name__}); the server log has the details"
@@ -431,12 +469,15 @@ def create_app(
     max_items: int = DEFAULT_MAX_ITEMS,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
+    allowed_hosts: Collection[str] | None = None,
 ) -> Starlette:
     """The ASGI app serving `scorer`.
 
     rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app builds a
-    Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at shutdown,
-    unless given one to share, which the caller closes. Raises ValueError for an unknown
+    Batcher from batcher_options (keyword arguments of `Batcher`; its `request_timeout_s` is the
+    server's deadline) and closes it at shutdown, unless given one to share, which the caller
+    closes. allowed_hosts: the Host names it answers (default any; `guards.default_allowed_hosts`
+    gives a bind address's; `tpuscore serve` uses it). Raises ValueError for an unknown
     template name or a limit below 1."""
     own = batcher is None
     if own:
@@ -472,7 +513,17 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = service
+    if allowed_hosts is not None:
+        app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     return app
+
+
+def foreign_host(host: str) -> Response:
+    message = (
+        f"this server does not answer to the host {host!r}; "
+        "start it with --allowed-hosts naming it (or '*')"
+    )
+    return ApiError(400, "invalid_host", message, "Host").response()
 
 
 def usage(num_tokens: int) -> dict[str, int]:
