@@ -36,6 +36,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,11 +93,9 @@ class ApiError(HTTPException):
         self.code, self.param = code, param
 
 
-class JSONResponse(Response):
+class JSONResponse(starlette.responses.JSONResponse):
     """JSON with ASCII escapes (any str survives, lone surrogates too) and no NaN or Infinity:
     a non-finite score is a bug to report as a 500, not invalid JSON to send."""
-
-    media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")

@@ -197,6 +197,22 @@ _ScoreArgumentsAndOptions = pydantic.create_model(
 class ScoreRequest(_ScoreArgumentsAndOptions):
     """SGLang's `/v1/score` request; `labels` (label strings) is tpuscore's extension."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "query": "Classify the sentiment of each movie review.\nReview:",
+                    "items": [
+                        " I loved every minute.\nSentiment:",
+                        " A waste of money.\nSentiment:",
+                    ],
+                    "labels": [" positive", " negative"],
+                    "apply_softmax": True,
+                }
+            ]
+        }
+    )
+
     model: str | None = Field(None, description="accepted, not checked: one server, one model")
     embed_override_token_id: DefaultOnly = default_only(None, "SGLang's; accepted only as null")
     query_embed_overrides: DefaultOnly = default_only(None, "SGLang's; accepted only as null")
@@ -216,6 +232,21 @@ def score_options(request: BaseModel) -> dict[str, Any]:
 
 
 class _RerankFields(WireRequest):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "query": "What is the capital of France?",
+                    "documents": [
+                        "Berlin is the capital of Germany.",
+                        "Paris is the capital and largest city of France.",
+                    ],
+                    "top_n": 1,
+                }
+            ]
+        }
+    )
+
     model: str | None = Field(None, description="accepted, not checked: one server, one model")
     query: str
     documents: list[Document] = Field(description='strings, or {"text": string} objects')
