@@ -3,6 +3,7 @@ reading it, fuzzes the live server (uvicorn on 127.0.0.1, a tiny checkpoint): ev
 documented status with a JSON body, never a 500, and the server stays healthy.
 """
 
+import json
 import time
 
 import attrs
@@ -106,6 +107,17 @@ def test_deeply_nested_json_is_a_400(client, path, body):
     assert response.status_code == 400, response.text
     assert response.json()["object"] == "error"
     assert client.get("/health").status_code == 200
+
+
+def test_library_errors_name_the_rerank_field(client):
+    """The library calls a rerank's documents `items`; its errors name the wire's field."""
+    content = json.dumps({"query": "x", "documents": ["a", "\ud800 b"]}).encode()
+    response = client.post(
+        "/v2/rerank", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert (error["code"], error["param"]) == ("invalid_text", "documents[1]")
 
 
 @pytest.fixture(scope="module")
