@@ -26,7 +26,7 @@ class Spy:
         self.runs: list[int] = []
         self.running = threading.Event()
 
-    def __getattr__(self, name):  # prepare, default_backend: the scorer's
+    def __getattr__(self, name):  # prepare, engine: the scorer's
         return getattr(self.scorer, name)
 
     def run(self, requests, *, backend=None):
