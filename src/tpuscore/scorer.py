@@ -1,6 +1,6 @@
 """The `Scorer` facade: load a model, then prepare, plan and run its requests on an `Engine`.
-A request's options are `tpuscore.api.requests.ScoreOptions`' fields, by keyword; docs/api.md
-describes every method and argument at length."""
+
+A request's options are `ScoreOptions`' fields, by keyword; docs/api.md describes every argument."""
 
 from __future__ import annotations
 
