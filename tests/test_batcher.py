@@ -26,7 +26,7 @@ class Spy:
         self.runs: list[int] = []
         self.running = threading.Event()
 
-    def __getattr__(self, name):  # prepare, default_backend: the scorer's
+    def __getattr__(self, name):  # prepare, engine: the scorer's
         return getattr(self.scorer, name)
 
     def run(self, requests, *, backend=None):
@@ -286,10 +286,9 @@ class Recorder(Spy):
         self.prepared_in: list[threading.Thread] = []
         self.prepare_s = prepare_s
 
-    def prepare(self, *args, **kwargs):
-        self.prepared_in.append(threading.current_thread())
-        time.sleep(self.prepare_s)
-        return self.scorer.prepare(*args, **kwargs)
+    @property
+    def engine(self):
+        return RecordedEngine(self)
 
     def run(self, requests, *, backend=None):
         if requests:
@@ -299,6 +298,21 @@ class Recorder(Spy):
 
     def queries_run(self) -> list:
         return [r.query for run in self.ran for r in run]
+
+
+class RecordedEngine:
+    """The scorer's engine, its prepare (the tokenization) recorded by a Recorder."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __getattr__(self, name):
+        return getattr(self.recorder.scorer.engine, name)
+
+    def prepare(self, *args, **kwargs):
+        self.recorder.prepared_in.append(threading.current_thread())
+        time.sleep(self.recorder.prepare_s)
+        return self.recorder.scorer.engine.prepare(*args, **kwargs)
 
 
 def _scored(recorder, request: dict) -> bool:
@@ -445,3 +459,19 @@ def test_score_async_tokenizes_off_the_event_loop(scorer):
     expected = scorer.score(**text).logprobs
     for result in results:
         assert_as_alone(result.logprobs, expected)
+
+
+@pytest.mark.parametrize(
+    "request_, param",
+    [
+        ({"query": [1], "label_token_ids": [1]}, "items"),
+        ({"items": [[1]], "label_token_ids": [1]}, "query"),
+        ({"query": [1], "items": [[1]], "label_token_ids": [1], "lables": ["x"]}, "lables"),
+    ],
+)
+def test_a_request_missing_or_unknown_argument_is_a_validation_error(scorer, request_, param):
+    with Batcher(scorer) as batcher:
+        with pytest.raises(ValidationError) as raised:
+            batcher.submit(**request_)
+        assert (raised.value.code, raised.value.param) == ("invalid_argument", param)
+        assert batcher.pending == 0

@@ -14,9 +14,9 @@ A long-lived service bounds everything it holds, and spends no work on a request
 
 - Admission before cost: a submission is refused (`Overloaded`) on queue depth and on a token
   estimate from the text's byte length, before anything is tokenized. Then the request is
-  validated and tokenized (`scorer.prepare`): in the caller's thread for `submit` and `score`,
-  in a small bounded thread pool for `score_async`, so an event loop keeps serving meanwhile. A
-  bad input raises at its caller and never reaches a batch.
+  validated and tokenized (as `scorer.prepare` does): in the caller's thread for `submit` and
+  `score`, in a small bounded thread pool for `score_async`, so an event loop keeps serving
+  meanwhile. A bad input raises at its caller and never reaches a batch.
 - Deadlines and cancellation: a request carries a deadline (`timeout_s`, default the batcher's
   `request_timeout_s`). At its deadline its future fails with `DeadlineExceeded`; a caller may
   cancel its future (`score_async` does when its task is cancelled, as on a client disconnect).
@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
@@ -331,10 +332,9 @@ class Batcher:
         (cancelled, or past its deadline). A bad request releases its place and raises."""
         try:
             kwargs = {k: v for k, v in score_kwargs.items() if k != "backend"}
-            request = self.scorer.prepare(**kwargs)
-            name = registry.backend_name(
-                self.scorer.default_backend if entry.backend is None else entry.backend
-            )
+            query, items, options = validation.request_arguments(kwargs)
+            request = self.scorer.engine.prepare(query, items, options)
+            name = self.scorer.engine.backend_name(entry.backend)
             if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
                 registry.check_capabilities(name, request.item_first)
         except BaseException:

@@ -56,7 +56,7 @@ from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import to_host
 
 if TYPE_CHECKING:
-    from tpuscore.scorer import Scorer
+    from tpuscore.engine.runner import Engine
 
 BACKEND = "prefill_extend"
 
@@ -101,9 +101,9 @@ def continuation_logprobs(
 
 
 def loglikelihood(
-    scorer: Scorer, context: Any, continuations: Any, *, backend: str | None = None
+    engine: Engine, context: Any, continuations: Any, *, backend: str | None = None
 ) -> list[LoglikelihoodResult]:
-    """`Scorer.loglikelihood`: validate, then run on the scorer's prefill_extend instance."""
+    """`Scorer.loglikelihood`: validate, then run on the engine's prefill_extend instance."""
     name = registry.backend_name(BACKEND if backend is None else backend)
     if name not in (registry.AUTO, BACKEND):
         raise ValidationError(
@@ -115,11 +115,11 @@ def loglikelihood(
     request = validation.validate_loglikelihood(
         context,
         continuations,
-        tokenizer=scorer.tokenizer,
-        vocab_size=scorer.config.vocab_size,
-        max_sequence_length=scorer.config.max_position_embeddings,
+        tokenizer=engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_sequence_length=engine.config.max_position_embeddings,
     )
-    return run(scorer.get_backend(BACKEND), request)
+    return run(engine.backends.get(BACKEND), request)
 
 
 def run(
