@@ -583,6 +583,7 @@ def test_allowed_hosts_refuse_a_foreign_host_header(scorer):
         running.stop()
 
 
+@pytest.mark.slow  # about a minute here: 16 MiB of text tokenized and 16M token ids checked
 def test_health_answers_fast_while_the_biggest_request_is_tokenized(scorer):
     """A 16 MiB /v1/score request of 4,096 text items (the default limits) is tokenized off the
     event loop: /health meanwhile answers within 50 ms (90th percentile; the machine is shared),
