@@ -683,3 +683,26 @@ def test_sigterm_drains_accepted_requests(checkpoint_dir, scorer, rng):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.default_model
+def test_serve_flags_set_the_deadline_and_the_allowed_hosts(default_model_path, monkeypatch):
+    from tpuscore.cli import commands as cli
+    from tpuscore.serving import guards
+
+    served = []
+    monkeypatch.setattr(server, "run", lambda app, **kwargs: served.append((app, kwargs)))
+    for flags, hosts in (
+        ([], list(guards.LOOPBACK_HOSTS)),
+        (["--allowed-hosts", "scorer.internal, 10.0.0.5"], ["scorer.internal", "10.0.0.5"]),
+        (["--host", "0.0.0.0"], None),
+    ):
+        assert cli.main(["serve", "--request-timeout", "2.5", "--port", "0", *flags]) == 0
+        app, _ = served.pop()
+        batcher = app.state.service.batcher
+        try:
+            assert batcher.request_timeout_s == 2.5
+            guard = [m for m in app.user_middleware if m.cls is guards.AllowedHosts]
+            assert (guard[0].kwargs["hosts"] if guard else None) == hosts
+        finally:
+            batcher.close()
