@@ -170,6 +170,42 @@ def test_plan_sees_the_prefix_cache(scorers, rng):
     assert warm.steps < cold.steps and warm.seconds < cold.seconds
 
 
+STEPS = {  # each backend's jitted steps, reached through its instance
+    "serial": ("score_sequences",),
+    "packed_dense": ("score_packed",),
+    "prefill_extend": ("prefill", "prefill_rows", "score_items", "score_mixed_items"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(STEPS))
+def test_work_prices_the_steps_that_run(scorers, rng, backend):
+    """`work` prices the plan `score_groups` runs, step for step: here with a partial prefix-cache
+    hit, several queries, and a tight budget that splits them into several steps."""
+    base = scorers("qwen2_bias")
+    options = {backend: {"activation_bytes": 1 << 20}}
+    if backend == "prefill_extend":
+        options[backend] |= {"prefill_chunk": 16, "prefix_cache_bytes": 1 << 20}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    vocab = scorer.config.vocab_size
+    shared = random_tokens(rng, 30, vocab)
+    scorer.score(shared[:20], [[1]], [1], backend=backend)  # a prefix of the first query, cached
+    batches = [
+        make_batch(query, [random_tokens(rng, int(n), vocab) for n in lens], [1, 2], False)
+        for query, lens in (
+            (shared, rng.integers(1, 9, size=12)),
+            (random_tokens(rng, 45, vocab), rng.integers(1, 9, size=5)),
+            (random_tokens(rng, 7, vocab), rng.integers(1, 9, size=3)),
+        )
+    ]
+    runner, ran = scorer.get_backend(backend), []
+    for name in STEPS[backend]:
+        step = getattr(runner, name)
+        setattr(runner, name, lambda *a, _step=step, **k: ran.append(1) or _step(*a, **k))
+    priced = runner.work(batches)
+    runner.score_groups(batches)
+    assert len(priced) == len(ran) >= len(batches)
+
+
 def test_a_step_that_cannot_fit_the_device_is_refused(scorers, rng, monkeypatch):
     scorer = fresh(scorers("qwen2_bias"))
     vocab = scorer.config.vocab_size

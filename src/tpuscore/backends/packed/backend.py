@@ -33,7 +33,8 @@ from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
 from tpuscore.backends.packed import memory, packing
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
-from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention, segment_mask
+from tpuscore.kernels.segment.mask import segment_mask
+from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model

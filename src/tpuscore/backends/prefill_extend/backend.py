@@ -11,6 +11,9 @@ Several groups (requests with different queries) share device steps: their uncac
 prefill together, one query per row, and the items each group leaves over after filling steps of
 its own share extend steps, where each row attends to its own query's K/V gathered per row.
 A step whose rows share one query keeps the shared-prefix matmul.
+
+`schedule` plans a call as waves of groups, each with its prefill and extend steps;
+`score_groups` runs those steps and `work` prices the same ones, so what is priced is what runs.
 """
 
 from __future__ import annotations
@@ -427,10 +430,8 @@ class PrefillExtendBackend(Budgeted):
 
     def prefix_bytes(self, query_len: int) -> int:
         """Bytes of one query's K/V (and last hidden state) as the cache holds it."""
-        config = self.model.config
-        positions = bucket_tokens(query_len)
-        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * positions
-        return kv * self.model.dtype.itemsize + 4 * config.hidden_size
+        config, itemsize = self.model.config, self.model.dtype.itemsize
+        return work.kv_bytes(config, bucket_tokens(query_len), itemsize) + 4 * config.hidden_size
 
     def plan_extend(self, batches: Sequence[ScoreBatch], query_of: list[int]) -> list[ExtendStep]:
         """The extend steps that score these groups' items (query_of: each group's query).
