@@ -21,7 +21,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore.api.validation import ScoreRequest, ValidationError
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import planning
 
@@ -61,7 +62,7 @@ def check_geometry(geometry: Any, where: str) -> tuple[int, int, int]:
 
 def warm(
     pool: BackendPool,
-    prepare: Callable[..., ScoreRequest],
+    prepare: Callable[[Any, Any, ScoreOptions], ScoreRequest],
     selector: planning.Selector,
     backends: Sequence[str],
     geometries: Iterable[Any],
@@ -80,7 +81,7 @@ def warm(
         ids = np.arange(query_len + count * item_len) % pool.model.config.vocab_size
         items = ids[query_len:].reshape(count, item_len).tolist()
         try:
-            request = prepare(ids[:query_len].tolist(), items, label_token_ids=[0])
+            request = prepare(ids[:query_len].tolist(), items, ScoreOptions(label_token_ids=[0]))
         except ValidationError as e:
             raise e.within(where) from None
         requests.append(((query_len, count, item_len), request))

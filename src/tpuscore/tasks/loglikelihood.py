@@ -51,7 +51,7 @@ from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import to_host
 
 if TYPE_CHECKING:
-    from tpuscore.scorer import Scorer
+    from tpuscore.engine.runner import Engine
 
 BACKEND = "prefill_extend"
 
@@ -96,9 +96,9 @@ def continuation_logprobs(
 
 
 def loglikelihood(
-    scorer: Scorer, context: Any, continuations: Any, *, backend: str | None = None
+    engine: Engine, context: Any, continuations: Any, *, backend: str | None = None
 ) -> list[LoglikelihoodResult]:
-    """`Scorer.loglikelihood`: validate, then run on the scorer's prefill_extend instance."""
+    """`Scorer.loglikelihood`: validate, then run on the engine's prefill_extend instance."""
     name = registry.backend_name(BACKEND if backend is None else backend)
     if name not in (registry.AUTO, BACKEND):
         raise ValidationError(
@@ -110,11 +110,11 @@ def loglikelihood(
     request = validation.validate_loglikelihood(
         context,
         continuations,
-        tokenizer=scorer.tokenizer,
-        vocab_size=scorer.config.vocab_size,
-        max_sequence_length=scorer.config.max_position_embeddings,
+        tokenizer=engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_sequence_length=engine.config.max_position_embeddings,
     )
-    return run(scorer.get_backend(BACKEND), request)
+    return run(engine.backends.get(BACKEND), request)
 
 
 def run(
