@@ -25,6 +25,7 @@ loaded does too. Status 1 means an environment problem: a missing extra, or no b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import logging
@@ -410,6 +411,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ) from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
     scorer = load_scorer(args)
     batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
     if args.max_pending is not None:
@@ -441,6 +443,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """EnvironmentProblem if `port` on `host` cannot be bound (taken, or not this machine's)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise EnvironmentProblem(
+                f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --port "
+                "(or stop what holds it)"
+            ) from None
+
+
 def bench_script() -> Path | None:
     """benchmarks/bench.py of the source checkout tpuscore runs from, if it is one."""
     import tpuscore
@@ -460,6 +478,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise EnvironmentProblem(
             "tpuscore bench runs benchmarks/bench.py, which ships with the source repository and "
             "not in the wheel: run it from a checkout, or pass --script path/to/bench.py"
+        )
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EnvironmentProblem(
+            f"tpuscore bench times transformers as its baseline, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install torch "
+            "transformers (a CPU build of torch is enough), or pip install -e '.[dev]' in a "
+            "checkout"
         )
     command = [sys.executable, str(script)]
     if not args.full:

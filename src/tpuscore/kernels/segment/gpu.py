@@ -1,7 +1,7 @@
 """Shared-prefix segment attention on GPUs: the segment kernel's GPU twin, in Pallas on Triton.
 
-The same function as `segment_attention.segment_attention` (same mask rule, same O(T) metadata,
-same jnp reference as oracle), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
+The same function as `tpu.segment_attention` (the mask rule, O(T) metadata, jnp reference and
+shape checks of `mask.py`), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
 sequential grid axis with VMEM scratch accumulators and scalar prefetch, which Pallas's GPU
 lowerings do not support. Here the grid is (query tile, batch, kv head) and each program loops
 over KV tiles itself, carrying the online-softmax state in registers. The loop visits only the
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tpuscore.kernels.segment.tpu import MASK_VALUE, _first_segment_key
+from tpuscore.kernels.segment.mask import MASK_VALUE, check_shapes, first_segment_key
 
 
 def _power_of_two(n: int) -> bool:
@@ -120,31 +120,9 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     tiles_ref[...] = jnp.full(tiles_ref.shape, count, jnp.int32)
 
 
-def _check_shapes(q, k, v, prefix_len, seg_start, block_sizes: GpuBlockSizes) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, heads, tokens, head_dim], got shape {q.shape}")
-    B, N, T, H = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4 or (x.shape[0], x.shape[2], x.shape[3]) != (B, T, H):
-            raise ValueError(
-                f"{name} must be [batch={B}, kv_heads, tokens={T}, head_dim={H}], got {x.shape}"
-            )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v kv_heads differ: {k.shape[1]} != {v.shape[1]}")
-    if N % k.shape[1]:
-        raise ValueError(f"heads={N} must be a multiple of kv_heads={k.shape[1]}")
-    if prefix_len.shape != (B,):
-        raise ValueError(f"prefix_len must be [batch={B}], got shape {prefix_len.shape}")
-    if seg_start.shape != (B, T):
-        raise ValueError(f"seg_start must be [batch={B}, tokens={T}], got {seg_start.shape}")
-    for name, block in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
-        if T % block:
-            raise ValueError(f"tokens={T} must be a multiple of {name}={block}")
-
-
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret):
-    _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # on CPU there is no Triton lowering
         interpret = jax.default_backend() != "gpu"
     B, N, T, H = q.shape
@@ -157,7 +135,7 @@ def _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpre
         pad = [(0, 0)] * 3 + [(0, Hp - H)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     seg_start = seg_start.astype(jnp.int32)
-    first_key = _first_segment_key(seg_start, bq)  # [B, nq]
+    first_key = first_segment_key(seg_start, bq)  # [B, nq]
     prefix = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], (B, nq))
     meta = jnp.stack([prefix, first_key], axis=-1)  # [B, nq, 2]
     kernel = functools.partial(_kernel, scale=1 / H**0.5, block_kv=bkv)
@@ -199,7 +177,7 @@ def segment_attention_gpu(
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask (prefix_len [B], seg_start [B, T]), as `segment_attention.segment_attention` computes it.
+    mask (prefix_len [B], seg_start [B, T]), as `tpu.segment_attention` computes it.
 
     T must be a multiple of both block sizes. interpret defaults to True off GPU.
     """

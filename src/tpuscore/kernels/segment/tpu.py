@@ -1,26 +1,12 @@
 """Shared-prefix segment attention: a Pallas flash-attention kernel whose mask is procedural.
 
-A packed sequence holds a shared prefix (the query) followed by independent segments (the items).
-Row r may attend to key c when
-
-    c <= r  and  (c < prefix_len  or  c >= seg_start[r])
-
-so the query is causal, and every item sees the whole query plus, causally, only itself. With
-prefix_len 2, segments [2, 4) and [4, 6), and row 6 padding (its own segment):
-
-    row  seg_start  keys 0123456
-     0       0           x......
-     1       0           xx.....
-     2       2           xxx....
-     3       2           xxxx...
-     4       4           xx..x..
-     5       4           xx..xx.
-     6       6           xx....x
+The mask rule (`mask.py`, with a picture): row r sees key c when c <= r and (c < prefix_len or
+c >= seg_start[r]), so every item sees the whole query plus, causally, only itself.
 
 The mask is computed inside the kernel from O(T) metadata and never materialized. Tiles with no
 visible key are skipped: no compute, and on TPU no copy, because the K/V index map repeats the
 block index of the previous grid step for them (Pallas copies a block only when its index
-changes). `segment_attention_reference` is the same function in plain jnp: the test oracle.
+changes). `mask.segment_attention_reference` is the same function in plain jnp: the test oracle.
 
 Axis letters: B batch, T tokens, N query heads, K kv heads, G = N/K, H head dim.
 """
@@ -36,9 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tpuscore.kernels.segment.mask import MASK_VALUE, check_shapes, first_segment_key
+
 NUM_LANES = 128  # TPU vector lane count: the minor block dimension
 NUM_SUBLANES = 8  # the second-minor one
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - MASK) stays 1, not NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,56 +46,6 @@ class BlockSizes:
     def tile(self) -> int:
         """The sequence length must be a multiple of this."""
         return math.lcm(self.block_q, self.block_kv)
-
-
-def segment_mask(prefix_len: jax.Array, seg_start: jax.Array, num_keys: int) -> jax.Array:
-    """The dense mask [B, T, S] that the kernel computes tile by tile."""
-    rows = jnp.arange(seg_start.shape[1])[None, :, None]
-    cols = jnp.arange(num_keys)[None, None, :]
-    in_prefix = cols < prefix_len[:, None, None]
-    return (cols <= rows) & (in_prefix | (cols >= seg_start[:, :, None]))
-
-
-def segment_attention_reference(q, k, v, prefix_len, seg_start):
-    """Softmax attention under `segment_mask`, in float32. Shapes as `segment_attention`."""
-    B, N, T, H = q.shape
-    K = k.shape[1]
-    qg = q.reshape(B, K, N // K, T, H).astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k.astype(jnp.float32), precision=hp)
-    mask = segment_mask(prefix_len, seg_start, T)[:, None, None]
-    weights = jax.nn.softmax(jnp.where(mask, scores / jnp.sqrt(H), -jnp.inf), axis=-1)
-    o = jnp.einsum("bkgts,bksh->bkgth", weights, v.astype(jnp.float32), precision=hp)
-    return o.reshape(B, N, T, H).astype(q.dtype)
-
-
-def _check_shapes(q, k, v, prefix_len, seg_start, block_sizes: BlockSizes) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, heads, tokens, head_dim], got shape {q.shape}")
-    B, N, T, H = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4 or (x.shape[0], x.shape[2], x.shape[3]) != (B, T, H):
-            raise ValueError(
-                f"{name} must be [batch={B}, kv_heads, tokens={T}, head_dim={H}], got {x.shape}"
-            )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v kv_heads differ: {k.shape[1]} != {v.shape[1]}")
-    if N % k.shape[1]:
-        raise ValueError(f"heads={N} must be a multiple of kv_heads={k.shape[1]}")
-    if prefix_len.shape != (B,):
-        raise ValueError(f"prefix_len must be [batch={B}], got shape {prefix_len.shape}")
-    if seg_start.shape != (B, T):
-        raise ValueError(f"seg_start must be [batch={B}, tokens={T}], got {seg_start.shape}")
-    for name, block in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
-        if T % block:
-            raise ValueError(f"tokens={T} must be a multiple of {name}={block}")
-
-
-def _first_segment_key(seg_start: jax.Array, block_q: int) -> jax.Array:
-    """Per query tile [B, T / block_q]: the smallest segment start among its rows. Segments are
-    contiguous, so the tile's rows see keys [0, prefix_len) and [this, last row], no others."""
-    B, T = seg_start.shape
-    return seg_start.reshape(B, T // block_q, block_q).min(axis=-1)
 
 
 def _tile_visible(i, j, prefix_len, first_key, block_q: int, block_kv: int):
@@ -196,7 +133,7 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles"))
 def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, count_tiles):
-    _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # off TPU there is no Mosaic lowering
         interpret = jax.default_backend() != "tpu"
     B, N, T, H = q.shape
@@ -205,7 +142,7 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
     bq, bkv = block_sizes.block_q, block_sizes.block_kv
     prefix_len = prefix_len.astype(jnp.int32)
     seg_start = seg_start.astype(jnp.int32)
-    first_key = _first_segment_key(seg_start, bq)
+    first_key = first_segment_key(seg_start, bq)
     lanes = jnp.broadcast_to(seg_start[:, :, None], (B, T, NUM_LANES))
 
     kv_map = functools.partial(_kv_index_map, block_q=bq, block_kv=bkv)
