@@ -434,6 +434,24 @@ def test_admission_refuses_before_tokenizing(scorer, rng):
         np.testing.assert_array_equal(alone.logprobs, scorer.score(**too_big).logprobs)
 
 
+def test_a_deadline_passing_during_tokenization_answers_at_once(scorer):
+    from tpuscore import DeadlineExceeded
+
+    text = {"query": "The quick brown fox", "items": [" jumps"], "labels": [" the"]}
+    spy = Recorder(scorer, prepare_s=1.5)  # tokenization takes 1.5 s
+
+    async def main(batcher):
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await batcher.score_async(**text, timeout_s=0.2)
+        return time.monotonic() - start
+
+    with Batcher(spy) as batcher:
+        waited = asyncio.run(main(batcher))
+        assert waited < 1.0, waited
+    assert spy.ran == []  # tokenized after its deadline: never queued, never scored
+
+
 def test_score_async_tokenizes_off_the_event_loop(scorer):
     text = {"query": "The quick brown fox", "items": [" jumps", " ran"], "labels": [" the"]}
     spy = Recorder(scorer, prepare_s=0.5)

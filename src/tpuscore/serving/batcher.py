@@ -250,10 +250,16 @@ class Batcher:
         tokenizer threads and scoring in its worker while the loop serves other tasks. Cancelling
         the awaiting task (a server does when its client disconnects) drops the request."""
         entry = self._admit(score_kwargs, timeout_s)
+        loop = asyncio.get_running_loop()
+        prepared = loop.run_in_executor(self._tokenizers(), self._prepare, entry, score_kwargs)
+        prepared.add_done_callback(_retrieved)
+        result = asyncio.wrap_future(entry.future)
         try:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._tokenizers(), self._prepare, entry, score_kwargs)
-            return await asyncio.wrap_future(entry.future)
+            # A deadline that passes during tokenization answers at once, not after it.
+            await asyncio.wait({prepared, result}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                prepared.result()  # a bad request raises here
+            return await result
         except asyncio.CancelledError:
             entry.future.cancel()
             raise
@@ -580,6 +586,13 @@ def _complete(future: Future, *, result: Any = None, error: BaseException | None
             future.set_result(result)
     except InvalidStateError:
         pass
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a tokenization's outcome as seen: its caller may have stopped waiting for it (a
+    deadline passed meanwhile), and asyncio would log an error nobody retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _is_positive_seconds(value: Any) -> bool:
