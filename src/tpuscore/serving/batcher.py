@@ -252,14 +252,11 @@ class Batcher:
         entry = self._admit(score_kwargs, timeout_s)
         loop = asyncio.get_running_loop()
         prepared = loop.run_in_executor(self._tokenizers(), self._prepare, entry, score_kwargs)
-        prepared.add_done_callback(_retrieved)
-        result = asyncio.wrap_future(entry.future)
+        prepared.add_done_callback(_retrieved)  # its error is the future's too
         try:
-            # A deadline that passes during tokenization answers at once, not after it.
-            await asyncio.wait({prepared, result}, return_when=asyncio.FIRST_COMPLETED)
-            if not result.done():
-                prepared.result()  # a bad request raises here
-            return await result
+            # The future finishes on a bad request too, and at its deadline even while the
+            # request is being tokenized.
+            return await asyncio.wrap_future(entry.future)
         except asyncio.CancelledError:
             entry.future.cancel()
             raise
@@ -343,9 +340,10 @@ class Batcher:
             name = self.scorer.engine.backend_name(entry.backend)
             if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
                 registry.check_capabilities(name, request.item_first)
-        except BaseException:
+        except BaseException as error:
             self._prepared(entry)
-            entry.future.cancel()  # nobody holds it: this only releases its place
+            if self._settle(entry):  # score_async awaits the future: it raises there too
+                _complete(entry.future, error=error)
             raise
         with self._lock:
             self._prepared(entry)
@@ -589,8 +587,8 @@ def _complete(future: Future, *, result: Any = None, error: BaseException | None
 
 
 def _retrieved(future: asyncio.Future) -> None:
-    """Mark a tokenization's outcome as seen: its caller may have stopped waiting for it (a
-    deadline passed meanwhile), and asyncio would log an error nobody retrieved."""
+    """Mark a tokenization's outcome as seen: its caller reads the request's future instead,
+    and asyncio would log an error nobody retrieved."""
     if not future.cancelled():
         future.exception()
 
