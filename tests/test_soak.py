@@ -9,7 +9,6 @@ and (once the engine's finite shape set lands) nothing compiles after warmup.
 """
 
 import asyncio
-import random
 import threading
 import time
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from helpers import COMPILE_EVENT, ServerThread, random_tokens, rss_mib
+from helpers import COMPILE_EVENT, ServerThread, random_tokens, rss_mib, seeded_rng
 from tpuscore.api import templates
 from tpuscore.serving import app as server
 
@@ -128,7 +127,7 @@ def soak(scorers):
             "max_pending": MAX_PENDING,
         },
     )
-    rng = np.random.default_rng(random.SystemRandom().randrange(2**32))
+    rng = seeded_rng("test_soak")  # replayable with the run's seed
     running = ServerThread(app)
     record: dict = {"answers": [], "phases": {}}
     began = time.monotonic()
