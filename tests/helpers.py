@@ -85,3 +85,50 @@ class SpyBackend:
         SpyBackend.calls += 1
         shape = (batch.items.shape[0], batch.label_ids.shape[0])
         return BackendOutput(np.zeros(shape, np.float32), np.ones(shape[0], bool), StepStats())
+
+
+class ServerThread:
+    """uvicorn serving `app` from a thread on 127.0.0.1, on a port the OS picked; stopped by
+    `stop()`, which drains like SIGTERM does (uvicorn's should_exit)."""
+
+    def __init__(self, app, *, timeout_graceful_shutdown: float | None = None):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=timeout_graceful_shutdown,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start within 30 s")
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the test server did not stop within 30 s"
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")

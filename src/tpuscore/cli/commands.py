@@ -157,6 +157,18 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="unfinished requests (queued or running) beyond which the server answers 503",
     )
+    add(
+        "--request-timeout",
+        type=float,
+        help="seconds a request may wait for its answer (default: no limit); past it the "
+        "server answers 504 without scoring it. A client's X-Request-Timeout header may "
+        "shorten it",
+    )
+    add(
+        "--allowed-hosts",
+        help="comma-separated Host names the server answers, or '*' for any (default: the "
+        "loopback names for a loopback --host, any otherwise)",
+    )
 
     p = command(
         "bench",
@@ -404,6 +416,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
     if args.max_pending is not None:
         batcher_options["max_pending"] = args.max_pending
+    if args.request_timeout is not None:
+        batcher_options["request_timeout_s"] = args.request_timeout
+    if args.allowed_hosts is None:
+        allowed_hosts = server.guards.default_allowed_hosts(args.host)
+    else:
+        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     try:
         app = server.create_app(
             scorer,
@@ -412,6 +430,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_items=args.max_items,
             batcher_options=batcher_options,
+            allowed_hosts=allowed_hosts,
         )
     except ValueError as e:  # a bad flag value: template name, limits
         raise InputError(str(e)) from None

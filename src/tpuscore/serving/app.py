@@ -14,8 +14,11 @@ The wire format is `serving/protocol.py`'s models; this module wires them to the
 handler is thin: FastAPI parses the body into its model, the handler calls the Batcher and
 builds the response model. Errors become tpuscore's error body in one place each: a request
 that fails its model (`RequestValidationError`), one the library refuses (`ValidationError`), a
-full queue (`Overloaded`: 503 with Retry-After), HTTP errors (413 over max_body_bytes, 404,
-405), and a bug (500, logged; the server keeps serving).
+full queue (`Overloaded`: 503 with Retry-After), a request past its deadline
+(`DeadlineExceeded`: 504), a client that left (`ClientDisconnected`: counted as 499, logged at
+INFO, nothing sent), HTTP errors (413 over max_body_bytes, 404, 405, 400 for a foreign Host),
+and a bug (500, logged; the server keeps serving). `guards.py` holds the deadline, disconnect,
+Host and JSON-depth checks.
 
 uvicorn is the reference ASGI server: one process, one event loop, so requests from many
 connections are parsed concurrently and meet in the `Batcher`, which hands the model batches
@@ -32,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
-from tpuscore.api import templates
+from tpuscore.api import templates, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import protocol
-from tpuscore.serving.batcher import Batcher, Overloaded
+from tpuscore.serving import guards, protocol
+from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
 
@@ -65,7 +69,7 @@ RETRY_AFTER_S = 1
 # The library calls a rerank's documents `items`; its errors name them as the wire does.
 RERANK_PARAMS = {"items": "documents"}
 
-ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def error_response(
@@ -126,10 +130,13 @@ class JsonRequest(Request):
             if declared.isdigit() and int(declared) > limit:
                 raise too_large(limit)
             body = bytearray()
-            async for chunk in self.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise too_large(limit)
+            try:
+                async for chunk in self.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large(limit)
+            except ClientDisconnect:  # mid-body
+                raise guards.ClientDisconnected() from None
             self._body = bytes(body)
         return self._body
 
@@ -144,8 +151,8 @@ class JsonRequest(Request):
                 )
             body = await self.body()
             try:
-                value = json.loads(body)
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+                value = guards.parse_json(body)
+            except ValueError as e:  # guards.JsonTooDeep too
                 raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
             if not isinstance(value, dict):
                 raise ApiError(
@@ -226,8 +233,8 @@ class Service:
         """SGLang's scoring: P(label | query + item) for each item and label."""
         items = [body.items] if isinstance(body.items, str) else body.items
         self.check_count(items, "items")
-        result = await self.batcher.score_async(
-            query=body.query, items=items, **protocol.score_options(body)
+        result = await self.scored(
+            request, query=body.query, items=items, **protocol.score_options(body)
         )
         self.metrics.scored(request.url.path, len(items), result)
         response = protocol.ScoreResponse(
@@ -239,7 +246,7 @@ class Service:
 
     async def rerank_v1(self, request: Request, body: protocol.RerankRequest) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v1, Jina, vLLM)."""
-        ranked, result = await self.rerank(body)
+        ranked, result = await self.rerank(request, body)
         self.metrics.scored(request.url.path, len(body.documents), result)
         results = [
             protocol.RerankResult(
@@ -259,7 +266,7 @@ class Service:
 
     async def rerank_v2(self, request: Request, body: protocol.RerankV2Request) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v2)."""
-        ranked, result = await self.rerank(body)
+        ranked, result = await self.rerank(request, body, fit=True)
         self.metrics.scored(request.url.path, len(body.documents), result)
         tokens = protocol.BilledUnits(input_tokens=result.num_tokens)
         response = protocol.RerankV2Response(
@@ -274,27 +281,57 @@ class Service:
         )
         return JSONResponse(response.model_dump())
 
-    async def rerank(self, body: protocol.RerankRequest | protocol.RerankV2Request):
+    async def rerank(
+        self,
+        request: Request,
+        body: protocol.RerankRequest | protocol.RerankV2Request,
+        *,
+        fit: bool = False,
+    ):
         """(ranked documents, ScoreResult) under the server's template.
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
-        computes it; `top_n` null or 0 returns every document (vLLM's default is 0)."""
+        computes it; `top_n` null or 0 returns every document (vLLM's default is 0). With fit,
+        each document is also cut to what fits beside the query (Cohere's v2 behaviour) instead
+        of failing sequence_too_long."""
         docs = body.documents
         self.check_count(docs, "documents")
         t = self.template
+        query = t.render_query(body.query, instruction=body.instruction)
+        max_tokens = body.max_tokens_per_doc
+        if fit and self.scorer.tokenizer is not None:
+            room = await asyncio.to_thread(self.room_beside, query)
+            if room >= 1:  # else the query alone is too long: sequence_too_long says so
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
         try:
-            result = await self.batcher.score_async(
-                query=t.render_query(body.query, instruction=body.instruction),
+            result = await self.scored(
+                request,
+                query=query,
                 items=[t.render_item(doc) for doc in docs],
                 labels=list(t.labels),
                 item_suffix=t.item_suffix,
-                max_item_tokens=body.max_tokens_per_doc,
+                max_item_tokens=max_tokens,
                 truncate="right",
             )
         except ValidationError as e:
             raise wire_names(e, RERANK_PARAMS) from None
         ranked = ranking.rank_result(result, docs, positive=0, top_k=body.top_n or None)
         return ranked, result
+
+    def room_beside(self, rendered_query: str) -> int:
+        """A document's most tokens beside this query under the template: the model's positions
+        less the query's and the item suffix's tokens."""
+        tokenizer = self.scorer.tokenizer
+        query = tokenization.encode_query(tokenizer, rendered_query)
+        suffix = tokenization.encode_suffix(tokenizer, self.template.item_suffix or "")
+        return self.scorer.config.max_position_embeddings - len(query) - len(suffix)
+
+    async def scored(self, request: Request, **score_kwargs: Any):
+        """The Batcher's result for this HTTP request, under its deadline (the header, at most
+        the server's), dropped unscored if its client disconnects first."""
+        timeout_s = guards.request_timeout(request.headers, self.batcher.request_timeout_s)
+        work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
+        return await guards.unless_disconnected(request.receive, work)
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""
@@ -346,6 +383,24 @@ async def input_refused(request: Request, exc: ValidationError) -> Response:
 async def overloaded(request: Request, exc: Overloaded) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)}
     return error_response(503, "overloaded", str(exc), headers=headers)
+
+
+async def deadline_exceeded(request: Request, exc: DeadlineExceeded) -> Response:
+    return error_response(504, "deadline_exceeded", str(exc))
+
+
+async def client_left(request: Request, exc: guards.ClientDisconnected) -> Response:
+    """Nobody reads this answer: its status is for the metrics (499) and the log."""
+    logger.info("%s %s: the client disconnected; dropped", request.method, request.url.path)
+    return Response(status_code=guards.CLIENT_CLOSED)
+
+
+def foreign_host(host: str) -> Response:
+    message = (
+        f"this server does not answer to the host {host!r}; "
+        "start it with --allowed-hosts naming it (or '*')"
+    )
+    return error_response(400, "invalid_host", message, "Host")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -402,6 +457,7 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "the queue is full; retry after Retry-After seconds",
         "headers": {"Retry-After": {"schema": {"type": "integer"}}},
     },
+    504: {**ERROR_CONTENT, "description": "not scored within the request's deadline"},
 }
 
 
@@ -414,13 +470,16 @@ def create_app(
     max_items: int = DEFAULT_MAX_ITEMS,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
+    allowed_hosts: Collection[str] | None = None,
 ) -> FastAPI:
     """The ASGI app serving `scorer`.
 
     rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
-    builds a Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at
-    shutdown, unless given one to share, which the caller closes. Raises ValueError for an
-    unknown template name or a limit below 1."""
+    builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
+    `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
+    to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
+    `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
+    `tpuscore serve` does). Raises ValueError for an unknown template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -482,8 +541,12 @@ def create_app(
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(ValidationError, input_refused)
     app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(DeadlineExceeded, deadline_exceeded)
+    app.add_exception_handler(guards.ClientDisconnected, client_left)
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(CountedAndGuarded, metrics=service.metrics, counted=counted)
+    if allowed_hosts is not None:
+        app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     app.openapi = _without_422(app)
     return app
 
