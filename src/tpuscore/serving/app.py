@@ -46,7 +46,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
-from tpuscore.api import templates
+from tpuscore.api import templates, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
 from tpuscore.serving import protocol
@@ -245,7 +245,9 @@ class Service:
             protocol.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
-                document=protocol.RerankDocument(text=r.item) if body.return_documents else None,
+                document=protocol.RerankDocument.of(body.originals[r.index])
+                if body.return_documents
+                else None,
             )
             for r in ranked
         ]
@@ -295,6 +297,99 @@ class Service:
             raise wire_names(e, RERANK_PARAMS) from None
         ranked = ranking.rank_result(result, docs, positive=0, top_k=body.top_n or None)
         return ranked, result
+
+    async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
+        """SGLang's or vLLM's score request, told apart by their fields."""
+        if isinstance(body, protocol.ScoreRequest):
+            return await self.score(request, body)
+        return await self.score_pairs(request, body)
+
+    async def score_pairs(
+        self,
+        request: Request,
+        body: protocol.VllmTextScoreRequest | protocol.VllmQueriesScoreRequest,
+    ) -> Response:
+        """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
+        the same pair (the server's template and labels)."""
+        pairs = body.pairs()
+        self.check_count(pairs, body.SIDES[1])
+        by_query: dict[str, list[int]] = {}
+        for i, (query, _) in enumerate(pairs):
+            by_query.setdefault(query, []).append(i)
+        groups = list(by_query.items())
+        results = await asyncio.gather(
+            *(
+                self.relevance(query, [pairs[i][1] for i in indexes], body.SIDES)
+                for query, indexes in groups
+            )
+        )
+        scores = [0.0] * len(pairs)
+        num_tokens = 0
+        for (_, indexes), result in zip(groups, results, strict=True):
+            num_tokens += result.num_tokens
+            for i, p in zip(indexes, result.label_probs[:, 0], strict=True):
+                scores[i] = float(p)
+            self.metrics.scored(request.url.path, len(indexes), result)
+        response = protocol.VllmScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            data=[protocol.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
+            usage=protocol.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def relevance(self, query: str, docs: list[str], sides: tuple[str, str]):
+        """The ScoreResult of docs against query under the server's template: its label_probs'
+        first column is the relevance score a rerank gives."""
+        t = self.template
+        try:
+            return await self.batcher.score_async(
+                query=t.render_query(query),
+                items=[t.render_item(doc) for doc in docs],
+                labels=list(t.labels),
+                item_suffix=t.item_suffix,
+            )
+        except ValidationError as e:
+            raise wire_names(e, {"query": sides[0], "items": sides[1]}) from None
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
+        """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("prompt")
+        validation.check_text(body.prompt, "prompt")
+        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        response = protocol.TokenizeResponse(
+            count=len(encoding.ids),
+            max_model_len=self.scorer.config.max_position_embeddings,
+            tokens=encoding.ids,
+            token_strs=encoding.tokens if body.return_token_strs else None,
+        )
+        return JSONResponse(response.model_dump())
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("tokens")
+        vocab_size = self.scorer.config.vocab_size
+        for j, t in enumerate(body.tokens):
+            if not 0 <= t < vocab_size:
+                code = "token_id_negative" if t < 0 else "token_id_exceeds_vocab"
+                raise ValidationError(
+                    code,
+                    f"tokens[{j}] is {t}; the model's vocabulary has {vocab_size} tokens "
+                    f"(ids 0..{vocab_size - 1})",
+                    "tokens",
+                )
+        prompt = tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse(protocol.DetokenizeResponse(prompt=prompt).model_dump())
+
+    def require_tokenizer(self, param: str):
+        if self.scorer.tokenizer is None:
+            raise ValidationError(
+                "invalid_argument",
+                "this server's model has no tokenizer: it takes token ids only",
+                param,
+            )
+        return self.scorer.tokenizer
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""
@@ -456,7 +551,10 @@ def create_app(
     app.state.service = service
 
     scoring = [  # (path, handler, response model): POST, the body a JSON object
-        ("/v1/score", service.score, protocol.ScoreResponse),
+        ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/tokenize", service.tokenize, protocol.TokenizeResponse),
+        ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
         ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
