@@ -28,6 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import attrs
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidation, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from tpuscore.api.requests import ScoreOptions
@@ -467,7 +468,7 @@ AnyScoreRequest = Annotated[
     Annotated[ScoreRequest, pydantic.Tag("sglang")]
     | Annotated[VllmTextScoreRequest, pydantic.Tag("text")]
     | Annotated[VllmQueriesScoreRequest, pydantic.Tag("queries")]
-    | Annotated[_AmbiguousScoreRequest, pydantic.Tag("ambiguous")],
+    | SkipJsonSchema[Annotated[_AmbiguousScoreRequest, pydantic.Tag("ambiguous")]],
     pydantic.Discriminator(_score_shape),
 ]
 SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "ambiguous"})
