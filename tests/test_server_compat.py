@@ -64,6 +64,9 @@ def test_vllm_queries_documents(client, scorer):  # noqa: F811
     # pairs as text_1/text_2 under the names queries/documents; a one-element list is one query.
     body = {"queries": [QUERY], "documents": DOCS}
     assert_vllm_scores(post(client, "/score", body), relevance(scorer, QUERY, DOCS))
+    # ScoreDataRequest's data_1/data_2, the same again.
+    data = {"data_1": QUERY, "data_2": DOCS}
+    assert_vllm_scores(post(client, "/v1/score", data), relevance(scorer, QUERY, DOCS))
     # The score equals the relevance_score /v1/rerank gives the same pair.
     rerank = post(client, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()
     by_index = {r["index"]: r["relevance_score"] for r in rerank["results"]}
@@ -105,6 +108,9 @@ def test_sglang_score_is_unchanged_at_both_paths(client, scorer):  # noqa: F811
         ({"text_1": "a", "text_2": ["b"], "foo": 1}, "unknown_field", "foo", []),
         ({"text_1": "a", "text_2": ["b"], "priority": 3}, "unsupported_field", "priority", []),
         ({"queries": "a", "documents": [1]}, "invalid_argument", "documents", []),
+        # vLLM's queries/items shares `items` with SGLang's: told apart by no field, refused.
+        ({"queries": "a", "items": ["b"]}, "ambiguous_request", None, ["items", "queries"]),
+        ({"data_1": "a", "text_2": ["b"]}, "unknown_field", "text_2", []),
     ],
 )
 def test_vllm_score_errors(client, body, code, param, words):  # noqa: F811

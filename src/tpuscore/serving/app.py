@@ -307,7 +307,9 @@ class Service:
     async def score_pairs(
         self,
         request: Request,
-        body: protocol.VllmTextScoreRequest | protocol.VllmQueriesScoreRequest,
+        body: protocol.VllmTextScoreRequest
+        | protocol.VllmQueriesScoreRequest
+        | protocol.VllmDataScoreRequest,
     ) -> Response:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""

@@ -429,12 +429,23 @@ class VllmQueriesScoreRequest(_VllmScoreFields):
     SIDES: ClassVar[tuple[str, str]] = ("queries", "documents")
 
 
+class VllmDataScoreRequest(_VllmScoreFields):
+    """vLLM's `/score` request under its generic names: `data_1` scored against `data_2`."""
+
+    data_1: TextOrTexts = Field(description="the query, or one query per data_2")
+    data_2: TextOrTexts = Field(description="the documents scored against data_1")
+    SIDES: ClassVar[tuple[str, str]] = ("data_1", "data_2")
+
+
 SGLANG_SCORE_FIELDS = ("query", "items")
+# A vLLM field -> the tag of its request's shape.
 VLLM_SCORE_FIELDS = {
     "text_1": "text",
     "text_2": "text",
     "queries": "queries",
     "documents": "queries",
+    "data_1": "data",
+    "data_2": "data",
 }
 
 
@@ -468,10 +479,11 @@ AnyScoreRequest = Annotated[
     Annotated[ScoreRequest, pydantic.Tag("sglang")]
     | Annotated[VllmTextScoreRequest, pydantic.Tag("text")]
     | Annotated[VllmQueriesScoreRequest, pydantic.Tag("queries")]
+    | Annotated[VllmDataScoreRequest, pydantic.Tag("data")]
     | SkipJsonSchema[Annotated[_AmbiguousScoreRequest, pydantic.Tag("ambiguous")]],
     pydantic.Discriminator(_score_shape),
 ]
-SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "ambiguous"})
+SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous"})
 
 
 class TokenizeRequest(WireRequest):
