@@ -5,7 +5,9 @@
 Endpoints (docs/serving.md has the request and response of each; `GET /openapi.json` publishes
 them, `GET /docs` shows them):
 
-- POST /v1/score: SGLang's scoring request and response.
+- POST /v1/score and /score: SGLang's scoring request and response, or vLLM's (text_1/text_2,
+  queries/documents, data_1/data_2), told apart by their fields.
+- POST /tokenize and /detokenize: vLLM's, under the served model's tokenizer.
 - POST /v1/rerank and /rerank: the Cohere v1 / Jina rerank shape, as vLLM serves it.
 - POST /v2/rerank: Cohere's v2 rerank shape.
 - GET /health, GET /v1/models, GET /metrics (Prometheus text).
