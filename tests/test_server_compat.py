@@ -126,6 +126,11 @@ def test_library_errors_name_the_vllm_field(client):  # noqa: F811
     response = client.post("/score", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert (response.json()["code"], response.json()["param"]) == ("invalid_text", "text_2[1]")
+    # N:N: the index is the pair's, not its position among its query's documents.
+    body = {"text_1": ["x", "y"], "text_2": ["a", "\ud800 b"]}
+    content = json.dumps(body).encode()
+    response = client.post("/score", content=content, headers={"content-type": "application/json"})
+    assert (response.json()["code"], response.json()["param"]) == ("invalid_text", "text_2[1]")
 
 
 # vLLM's /tokenize and /detokenize: tests/entrypoints/openai/test_tokenization.py asserts

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
@@ -323,7 +324,7 @@ class Service:
         groups = list(by_query.items())
         results = await asyncio.gather(
             *(
-                self.relevance(query, [pairs[i][1] for i in indexes], body.SIDES)
+                self.relevance(query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
                 for query, indexes in groups
             )
         )
@@ -343,9 +344,12 @@ class Service:
         )
         return JSONResponse(response.model_dump())
 
-    async def relevance(self, query: str, docs: list[str], sides: tuple[str, str]):
+    async def relevance(
+        self, query: str, docs: list[str], sides: tuple[str, str], indexes: list[int]
+    ):
         """The ScoreResult of docs against query under the server's template: its label_probs'
-        first column is the relevance score a rerank gives."""
+        first column is the relevance score a rerank gives. An error names the wire's fields,
+        a document by its pair's index (docs[j] is pair indexes[j])."""
         t = self.template
         try:
             return await self.batcher.score_async(
@@ -355,6 +359,9 @@ class Service:
                 item_suffix=t.item_suffix,
             )
         except ValidationError as e:
+            if e.param and (m := re.fullmatch(r"items\[(\d+)\](.*)", e.param)):
+                param = f"{sides[1]}[{indexes[int(m[1])]}]{m[2]}"
+                raise ValidationError(e.code, str(e), param) from None
             raise wire_names(e, {"query": sides[0], "items": sides[1]}) from None
 
     async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
