@@ -29,6 +29,9 @@ REQUEST_TIMEOUT_S = 60
 FUZZ_BUDGET_S = 240
 ENDPOINTS = {
     ("/v1/score", "post"),
+    ("/score", "post"),
+    ("/tokenize", "post"),
+    ("/detokenize", "post"),
     ("/v1/rerank", "post"),
     ("/rerank", "post"),
     ("/v2/rerank", "post"),

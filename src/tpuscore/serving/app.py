@@ -5,7 +5,9 @@
 Endpoints (docs/serving.md has the request and response of each; `GET /openapi.json` publishes
 them, `GET /docs` shows them):
 
-- POST /v1/score: SGLang's scoring request and response.
+- POST /v1/score and /score: SGLang's scoring request and response, or vLLM's (text_1/text_2,
+  queries/documents, data_1/data_2), told apart by their fields.
+- POST /tokenize and /detokenize: vLLM's, under the served model's tokenizer.
 - POST /v1/rerank and /rerank: the Cohere v1 / Jina rerank shape, as vLLM serves it.
 - POST /v2/rerank: Cohere's v2 rerank shape.
 - GET /health, GET /v1/models, GET /metrics (Prometheus text).
@@ -33,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Coroutine, Mapping
@@ -50,7 +53,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
-from tpuscore.api import templates, tokenization
+from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
 from tpuscore.serving import guards, protocol
@@ -252,7 +255,9 @@ class Service:
             protocol.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
-                document=protocol.RerankDocument(text=r.item) if body.return_documents else None,
+                document=protocol.RerankDocument.of(body.originals[r.index])
+                if body.return_documents
+                else None,
             )
             for r in ranked
         ]
@@ -332,6 +337,113 @@ class Service:
         timeout_s = guards.request_timeout(request.headers, self.batcher.request_timeout_s)
         work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
         return await guards.unless_disconnected(request.receive, work)
+
+    async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
+        """SGLang's or vLLM's score request, told apart by their fields."""
+        if isinstance(body, protocol.ScoreRequest):
+            return await self.score(request, body)
+        return await self.score_pairs(request, body)
+
+    async def score_pairs(
+        self,
+        request: Request,
+        body: protocol.VllmTextScoreRequest
+        | protocol.VllmQueriesScoreRequest
+        | protocol.VllmDataScoreRequest,
+    ) -> Response:
+        """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
+        the same pair (the server's template and labels)."""
+        pairs = body.pairs()
+        self.check_count(pairs, body.SIDES[1])
+        by_query: dict[str, list[int]] = {}
+        for i, (query, _) in enumerate(pairs):
+            by_query.setdefault(query, []).append(i)
+        groups = list(by_query.items())
+        results = await asyncio.gather(
+            *(
+                self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
+                for query, indexes in groups
+            )
+        )
+        scores = [0.0] * len(pairs)
+        num_tokens = 0
+        for (_, indexes), result in zip(groups, results, strict=True):
+            num_tokens += result.num_tokens
+            for i, p in zip(indexes, result.label_probs[:, 0], strict=True):
+                scores[i] = float(p)
+            self.metrics.scored(request.url.path, len(indexes), result)
+        response = protocol.VllmScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            data=[protocol.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
+            usage=protocol.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def relevance(
+        self,
+        request: Request,
+        query: str,
+        docs: list[str],
+        sides: tuple[str, str],
+        indexes: list[int],
+    ):
+        """The ScoreResult of docs against query under the server's template: its label_probs'
+        first column is the relevance score a rerank gives. An error names the wire's fields,
+        a document by its pair's index (docs[j] is pair indexes[j])."""
+        t = self.template
+        try:
+            return await self.scored(
+                request,
+                query=t.render_query(query),
+                items=[t.render_item(doc) for doc in docs],
+                labels=list(t.labels),
+                item_suffix=t.item_suffix,
+            )
+        except ValidationError as e:
+            if e.param and (m := re.fullmatch(r"items\[(\d+)\](.*)", e.param)):
+                param = f"{sides[1]}[{indexes[int(m[1])]}]{m[2]}"
+                raise ValidationError(e.code, str(e), param) from None
+            raise wire_names(e, {"query": sides[0], "items": sides[1]}) from None
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
+        """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("prompt")
+        validation.check_text(body.prompt, "prompt")
+        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        response = protocol.TokenizeResponse(
+            count=len(encoding.ids),
+            max_model_len=self.scorer.config.max_position_embeddings,
+            tokens=encoding.ids,
+            token_strs=encoding.tokens if body.return_token_strs else None,
+        )
+        return JSONResponse(response.model_dump())
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("tokens")
+        vocab_size = self.scorer.config.vocab_size
+        for j, t in enumerate(body.tokens):
+            if not 0 <= t < vocab_size:
+                code = "token_id_negative" if t < 0 else "token_id_exceeds_vocab"
+                raise ValidationError(
+                    code,
+                    f"tokens[{j}] is {t}; the model's vocabulary has {vocab_size} tokens "
+                    f"(ids 0..{vocab_size - 1})",
+                    "tokens",
+                )
+        prompt = tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse(protocol.DetokenizeResponse(prompt=prompt).model_dump())
+
+    def require_tokenizer(self, param: str):
+        if self.scorer.tokenizer is None:
+            raise ValidationError(
+                "invalid_argument",
+                "this server's model has no tokenizer: it takes token ids only",
+                param,
+            )
+        return self.scorer.tokenizer
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""
@@ -515,7 +627,10 @@ def create_app(
     app.state.service = service
 
     scoring = [  # (path, handler, response model): POST, the body a JSON object
-        ("/v1/score", service.score, protocol.ScoreResponse),
+        ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/tokenize", service.tokenize, protocol.TokenizeResponse),
+        ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
         ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
