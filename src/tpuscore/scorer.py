@@ -302,6 +302,8 @@ class Scorer:
             tokenizer=self.tokenizer,
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
+            num_classes=self.config.num_labels,
+            pad_token_id=self.config.pad_token_id,
         )
 
     def run(
@@ -322,7 +324,9 @@ class Scorer:
                 (`unknown_backend`, `unsupported_option`).
         """
         name = registry.backend_name(self.default_backend if backend is None else backend)
-        results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
+        results = [
+            ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
+        ]
         planned = planning.plan(requests, name, self.selector, self.backends)
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these

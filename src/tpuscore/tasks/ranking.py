@@ -194,10 +194,13 @@ def _score(scorer: Scorer, request: Any, backend: str | None, show_progress: boo
             results.extend(scorer.run([page], backend=backend))
             advance(len(page.items))
     if not results:
-        return ScoreResult.empty(len(request.label_ids), request.apply_softmax)
+        return ScoreResult.empty(
+            len(request.label_ids), request.apply_softmax, request.classification
+        )
     return ScoreResult(
         np.concatenate([r.logprobs for r in results]),
         backend=results[0].backend,
         num_tokens=sum(r.num_tokens for r in results),
         apply_softmax=request.apply_softmax,
+        classification=request.classification,
     )
