@@ -350,13 +350,22 @@ def validate_loglikelihood(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    num_classes: int = 0,
 ) -> LoglikelihoodRequest:
-    """Check a `Scorer.loglikelihood` call and turn it into token ids.
+    """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
+    (num_classes > 0) has no next-token distribution: `no_language_model_head`.
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
     without (`tpuscore.tasks.loglikelihood` says where this differs from the harness).
     """
+    if num_classes:
+        raise ValidationError(
+            "no_language_model_head",
+            "this model has a classification head, not an LM head: it has no token "
+            "log-likelihoods; use score() for its class logits",
+            "context",
+        )
     if isinstance(context, str):
         text = True
     elif _is_token_list(context):

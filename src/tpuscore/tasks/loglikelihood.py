@@ -118,6 +118,7 @@ def loglikelihood(
         tokenizer=scorer.tokenizer,
         vocab_size=scorer.config.vocab_size,
         max_sequence_length=scorer.config.max_position_embeddings,
+        num_classes=scorer.config.num_labels,
     )
     return run(scorer.get_backend(BACKEND), request)
 

@@ -1,0 +1,67 @@
+"""Classification-head checkpoints (`*ForSequenceClassification`): class logits at the pooled
+token, equal to transformers' `AutoModelForSequenceClassification` in every backend."""
+
+import numpy as np
+import pytest
+import scipy.special
+
+from helpers import random_tokens
+from hf_reference import hf_class_logits
+from tpuscore import ValidationError
+
+SEQ_CLS_CASES = ("llama_seq_cls", "qwen2_seq_cls", "qwen3_seq_cls")
+BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
+ATOL = 1e-4  # float32
+PAD = 1  # qwen3_seq_cls's pad_token_id
+
+
+@pytest.mark.parametrize("case", SEQ_CLS_CASES)
+def test_class_logits_match_transformers(case, checkpoint_dir, scorers, rng):
+    scorer = scorers(case)
+    vocab, classes = scorer.config.vocab_size, scorer.config.num_labels
+    query = random_tokens(rng, int(rng.integers(1, 40)), vocab)
+    items = [random_tokens(rng, n, vocab) for n in (0, 1, 6, 17)]
+    items[2][-2:] = [PAD, PAD]  # trailing padding: transformers pools the token before it
+    expected = hf_class_logits(checkpoint_dir(case), [query + item for item in items])
+    assert expected.shape == (4, classes)
+    for backend in BACKENDS:
+        result = scorer.score(query, items, backend=backend)
+        assert result.classification
+        np.testing.assert_allclose(result.logprobs, expected, atol=ATOL, rtol=0, err_msg=backend)
+
+
+def test_scores_are_logits_or_class_probabilities(scorers):
+    two, one = scorers("qwen3_seq_cls"), scorers("llama_seq_cls")
+    logits = two.score([5, 6, 7], [[8], [9, 10]]).logprobs
+    assert np.array_equal(two.score([5, 6, 7], [[8], [9, 10]]).scores, logits)
+    softmax = two.score([5, 6, 7], [[8], [9, 10]], apply_softmax=True).scores
+    np.testing.assert_allclose(softmax, scipy.special.softmax(logits, axis=1), rtol=1e-6)
+    single = one.score([5, 6, 7], [[8], [9, 10]], apply_softmax=True)
+    assert single.scores.shape == (2, 1)
+    np.testing.assert_allclose(single.scores, scipy.special.expit(single.logprobs), rtol=1e-6)
+    assert two.score([5], []).logprobs.shape == (0, 2)
+
+
+def test_class_names_come_from_id2label(scorers):
+    assert scorers("qwen2_seq_cls").config.id2label == ("negative", "neutral", "positive")
+    assert scorers("qwen3_seq_cls").config.num_labels == 2  # from the head: no id2label written
+
+
+@pytest.mark.parametrize(
+    "kwargs, query, items, code, param",
+    [
+        (
+            {"label_token_ids": [1, 2]},
+            [5],
+            [[6]],
+            "labels_on_classification_model",
+            "label_token_ids",
+        ),
+        ({"labels": ["a"]}, "q", ["x"], "labels_on_classification_model", "labels"),
+        ({}, [5, PAD], [[PAD, PAD]], "padding_only_item", "items"),
+    ],
+)
+def test_classification_requests_refused(scorers, kwargs, query, items, code, param):
+    with pytest.raises(ValidationError) as raised:
+        scorers("qwen3_seq_cls").score(query, items, **kwargs)
+    assert (raised.value.code, raised.value.param) == (code, param)
