@@ -12,7 +12,7 @@ from hf_reference import hf_logprobs
 from tpuscore.models.config import ModelConfig
 
 GEMMA_CASES = ("gemma2_window", "gemma3_window")
-BACKENDS = ("serial", "prefill_extend", "reference")
+BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
 ATOL = 1e-4  # float32
 
 

@@ -56,11 +56,9 @@ def score_sequences(
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
-    def attention(q, k, v, layer=None):
-        window = None if layer is None else layer.window
-        return decoder.attend(
-            q, k, v, causal & decoder.within_window(positions, positions, window), layer
-        )
+    def attention(q, k, v, layer):
+        window = decoder.within_window(positions, positions, layer.window)
+        return decoder.attend(q, k, v, causal & window, layer)
 
     hidden = decoder.forward(params, config, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]

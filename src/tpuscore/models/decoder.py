@@ -76,13 +76,13 @@ class LayerAttention(NamedTuple):
     """What a layer's attention needs besides q, k and v.
 
     window: this layer's key window, an int32 scalar traced through the layer scan (`NO_WINDOW`
-    on a global layer), or None where the model has no sliding layer. scale: the score scale
-    (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5). softcap: Gemma 2's tanh cap
-    on the scores, or None.
+    on a global layer), or None where the model has no sliding layer. scale: Gemma's
+    query_pre_attn_scalar ** -0.5, or None for the usual head_dim ** -0.5. softcap: Gemma 2's
+    tanh cap on the scores, or None.
     """
 
     window: jax.Array | None
-    scale: float
+    scale: float | None
     softcap: float | None
 
 
@@ -92,8 +92,10 @@ def layer_windows(config: ModelConfig) -> np.ndarray:
     return np.where(local, config.sliding_window or NO_WINDOW, NO_WINDOW).astype(np.int32)
 
 
-def attention_scale(config: ModelConfig) -> float:
-    return float(config.query_pre_attn_scalar or config.head_dim) ** -0.5
+def attention_scale(config: ModelConfig) -> float | None:
+    """The score scale where it is not head_dim ** -0.5 (Gemma), else None."""
+    scalar = config.query_pre_attn_scalar
+    return None if scalar is None else float(scalar) ** -0.5
 
 
 def within_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | None) -> jax.Array:
@@ -106,10 +108,11 @@ def within_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | None) 
 
 def _scores(q: jax.Array, k: jax.Array, layer: LayerAttention | None) -> jax.Array:
     """q [..., T, H] @ k [..., H, S], scaled and soft-capped as the layer says."""
-    if layer is None:
-        return _matmul(q, k) / jnp.sqrt(q.shape[-1])
-    scores = _matmul(q, k) * layer.scale
-    if layer.softcap is not None:
+    if layer is None or layer.scale is None:
+        scores = _matmul(q, k) / jnp.sqrt(q.shape[-1])
+    else:
+        scores = _matmul(q, k) * layer.scale
+    if layer is not None and layer.softcap is not None:
         scores = jnp.tanh(scores / layer.softcap) * layer.softcap
     return scores
 
@@ -292,8 +295,8 @@ def _layer_attention(config: ModelConfig, window) -> LayerAttention:
 
 
 def _plain(config: ModelConfig) -> bool:
-    """Whether attention needs nothing but q, k and v (Llama and Qwen): backends not yet taking a
-    `LayerAttention` are then called as attention(q, k, v)."""
+    """Whether attention needs nothing but q, k and v (Llama and Qwen): no window, the default
+    scale, no soft-cap. `extend` then keeps its original arithmetic (scores / sqrt(H))."""
     return (
         not config.windowed
         and config.query_pre_attn_scalar is None
@@ -318,13 +321,12 @@ def forward(
     e.g. `attend` under a mask intersected with `within_window` of the positions.
     """
     windows, angles = _layer_inputs(config, positions)
-    plain = _plain(config)
 
     def step(x, layer):
         p, window = layer
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
-        o = attention(q, k, v) if plain else attention(q, k, v, _layer_attention(config, window))
+        o = attention(q, k, v, _layer_attention(config, window))
         return _finish(config, x, o, p), None
 
     x, _ = jax.lax.scan(step, _embed(params, config, tokens), (params["layers"], windows))

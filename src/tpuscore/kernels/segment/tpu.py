@@ -17,6 +17,23 @@ prefix_len 2, segments [2, 4) and [4, 6), and row 6 padding (its own segment):
      5       4           xx..xx.
      6       6           xx....x
 
+On a sliding-window layer (window w), a row sees only keys within its last w positions. A query
+row r sits at position r; an item row at prefix_len + its offset in the item, so
+
+    pos(r) = r - max(seg_start[r] - prefix_len, 0)
+
+and the rule gains: a query key c needs c > pos(r) - w, a key of the row's own item c > r - w.
+With the layout above and w = 2:
+
+    row  pos   keys 0123456
+     0    0         x......
+     1    1         xx.....
+     2    2         .xx....
+     3    3         ..xx...        its own item only: the query is out of reach
+     4    2         .x..x..        the query's last key (2 - 1 < 2) and itself
+     5    3         ....xx.
+     6    2         .x....x        (padding)
+
 The mask is computed inside the kernel from O(T) metadata and never materialized. Tiles with no
 visible key are skipped: no compute, and on TPU no copy, because the K/V index map repeats the
 block index of the previous grid step for them (Pallas copies a block only when its index
@@ -61,23 +78,49 @@ class BlockSizes:
         return math.lcm(self.block_q, self.block_kv)
 
 
-def segment_mask(prefix_len: jax.Array, seg_start: jax.Array, num_keys: int) -> jax.Array:
-    """The dense mask [B, T, S] that the kernel computes tile by tile."""
+NO_WINDOW = jnp.iinfo(jnp.int32).max  # every earlier key
+
+
+def segment_positions(prefix_len: jax.Array, seg_start: jax.Array) -> jax.Array:
+    """Each row's token position [B, T]: its index in the query, prefix_len + its offset in an
+    item (padding rows: prefix_len)."""
+    rows = jnp.arange(seg_start.shape[1])[None, :]
+    return rows - jnp.maximum(seg_start - prefix_len[:, None], 0)
+
+
+def segment_mask(
+    prefix_len: jax.Array, seg_start: jax.Array, num_keys: int, window: jax.Array | None = None
+) -> jax.Array:
+    """The dense mask [B, T, S] that the kernel computes tile by tile; window: the sliding
+    window (an int32 scalar), None for none."""
     rows = jnp.arange(seg_start.shape[1])[None, :, None]
     cols = jnp.arange(num_keys)[None, None, :]
     in_prefix = cols < prefix_len[:, None, None]
-    return (cols <= rows) & (in_prefix | (cols >= seg_start[:, :, None]))
+    in_segment = cols >= seg_start[:, :, None]
+    if window is not None:
+        pos = segment_positions(prefix_len, seg_start)[:, :, None]
+        in_prefix = in_prefix & (cols > pos - window)
+        in_segment = in_segment & (cols > rows - window)
+    return (cols <= rows) & (in_prefix | in_segment)
 
 
-def segment_attention_reference(q, k, v, prefix_len, seg_start):
-    """Softmax attention under `segment_mask`, in float32. Shapes as `segment_attention`."""
+def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    return scores if softcap is None else jnp.tanh(scores / softcap) * softcap
+
+
+def segment_attention_reference(
+    q, k, v, prefix_len, seg_start, window=None, *, scale=None, softcap=None
+):
+    """Softmax attention under `segment_mask`, in float32. Shapes and arguments as
+    `segment_attention`."""
     B, N, T, H = q.shape
     K = k.shape[1]
     qg = q.reshape(B, K, N // K, T, H).astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     scores = jnp.einsum("bkgth,bksh->bkgts", qg, k.astype(jnp.float32), precision=hp)
-    mask = segment_mask(prefix_len, seg_start, T)[:, None, None]
-    weights = jax.nn.softmax(jnp.where(mask, scores / jnp.sqrt(H), -jnp.inf), axis=-1)
+    scores = _softcap(scores * (H**-0.5 if scale is None else scale), softcap)
+    mask = segment_mask(prefix_len, seg_start, T, window)[:, None, None]
+    weights = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
     o = jnp.einsum("bkgts,bksh->bkgth", weights, v.astype(jnp.float32), precision=hp)
     return o.reshape(B, N, T, H).astype(q.dtype)
 
@@ -111,26 +154,52 @@ def _first_segment_key(seg_start: jax.Array, block_q: int) -> jax.Array:
     return seg_start.reshape(B, T // block_q, block_q).min(axis=-1)
 
 
-def _tile_visible(i, j, prefix_len, first_key, block_q: int, block_kv: int):
+def _first_position(prefix_len: jax.Array, seg_start: jax.Array, block_q: int) -> jax.Array:
+    """Per query tile [B, T / block_q]: the smallest position among its rows, which bounds the
+    first query key any of them sees through a window (pos - window)."""
+    B, T = seg_start.shape
+    pos = segment_positions(prefix_len, seg_start)
+    return pos.reshape(B, T // block_q, block_q).min(axis=-1)
+
+
+def _visible_blocks(i, prefix_len, first_key, first_pos, window, block_q: int, block_kv: int):
+    """The kv blocks query tile i may see: (lo, hi) of the query's keys, [lo, hi) (the blocks of
+    [max(0, first_pos - window + 1), prefix_len)), and (lo, hi) of its items' keys, [lo, hi]
+    (the blocks of [max(first_key, first row - window + 1), last row])."""
+    first_row, last_row = i * block_q, (i + 1) * block_q - 1
+    first_query_key = jnp.maximum(first_pos - window + 1, 0)
+    prefix_hi = jnp.where(first_query_key < prefix_len, pl.cdiv(prefix_len, block_kv), 0)
+    prefix_lo = jnp.minimum(first_query_key // block_kv, prefix_hi)
+    segment_lo = jnp.maximum(first_key, jnp.maximum(first_row - window + 1, 0)) // block_kv
+    return prefix_lo, prefix_hi, segment_lo, last_row // block_kv
+
+
+def _tile_visible(i, j, prefix_len, first_key, first_pos, window, block_q: int, block_kv: int):
     """Whether kv tile j holds any key that a row of query tile i may see."""
-    last_row = (i + 1) * block_q - 1
-    causal = j * block_kv <= last_row
-    return causal & ((j * block_kv < prefix_len) | ((j + 1) * block_kv > first_key))
+    p_lo, p_hi, s_lo, s_hi = _visible_blocks(
+        i, prefix_len, first_key, first_pos, window, block_q, block_kv
+    )
+    return (j <= s_hi) & (((p_lo <= j) & (j < p_hi)) | (s_lo <= j))
 
 
-def _kv_index_map(b, kv_head, i, j, prefix_len_ref, first_key_ref, *, block_q, block_kv):
+def _kv_index_map(
+    b, kv_head, i, j, prefix_len_ref, first_key_ref, first_pos_ref, window_ref, *, block_q, block_kv
+):
     """The kv block to fetch at grid step (i, j). A skipped tile fetches a block that a neighbouring
     step fetches anyway, so the pipeline issues no copy for it."""
-    prefix_blocks = pl.cdiv(prefix_len_ref[b], block_kv)
-    first_block = first_key_ref[b, i] // block_kv
-    last_block = ((i + 1) * block_q - 1) // block_kv
-    block = jnp.where(j < prefix_blocks, j, jnp.clip(j, first_block, last_block))
+    p_lo, p_hi, s_lo, s_hi = _visible_blocks(
+        i, prefix_len_ref[b], first_key_ref[b, i], first_pos_ref[b, i], window_ref[0],
+        block_q, block_kv,
+    )  # fmt: skip
+    block = jnp.where(j < p_hi, jnp.maximum(j, p_lo), jnp.clip(j, s_lo, s_hi))
     return b, kv_head, block, 0
 
 
 def _kernel(
     prefix_len_ref,  # scalar prefetch: [B]
     first_key_ref,  # scalar prefetch: [B, T / block_q]
+    first_pos_ref,  # scalar prefetch: [B, T / block_q]
+    window_ref,  # scalar prefetch: [1]
     seg_start_ref,  # [block_q, NUM_LANES], lane-broadcast
     q_ref,  # [G, block_q, H]
     k_ref,  # [block_kv, H]
@@ -138,13 +207,14 @@ def _kernel(
     o_ref,  # [G, block_q, H]
     *rest,  # tiles_ref [NUM_SUBLANES, NUM_LANES] when counting, then the scratch
     scale: float,
+    softcap: float | None,
     count_tiles: bool,
 ):
     tiles_ref, (m_ref, l_ref, acc_ref) = (rest[0], rest[1:]) if count_tiles else (None, rest)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     G, block_q, H = q_ref.shape
     block_kv = k_ref.shape[0]
-    prefix_len = prefix_len_ref[b]
+    prefix_len, window = prefix_len_ref[b], window_ref[0]
 
     @pl.when(j == 0)
     def _init():
@@ -154,7 +224,9 @@ def _kernel(
         if count_tiles:
             tiles_ref[...] = jnp.zeros(tiles_ref.shape, jnp.int32)
 
-    visible = _tile_visible(i, j, prefix_len, first_key_ref[b, i], block_q, block_kv)
+    visible = _tile_visible(
+        i, j, prefix_len, first_key_ref[b, i], first_pos_ref[b, i], window, block_q, block_kv
+    )
 
     @pl.when(visible)
     def _compute():
@@ -164,12 +236,15 @@ def _kernel(
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
-        s = s * scale  # [G * block_q, block_kv]
+        s = _softcap(s * scale, softcap)  # [G * block_q, block_kv]
         shape = (block_q, block_kv)
         rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         cols = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
         seg_start = jnp.tile(seg_start_ref[...], (1, block_kv // NUM_LANES))
-        mask = (cols <= rows) & ((cols < prefix_len) | (cols >= seg_start))
+        pos = rows - jnp.maximum(seg_start - prefix_len, 0)
+        in_prefix = (cols < prefix_len) & (cols > pos - window)
+        in_segment = (cols >= seg_start) & (cols > rows - window)
+        mask = (cols <= rows) & (in_prefix | in_segment)
         mask = jnp.tile(mask, (G, 1))
         s = jnp.where(mask, s, MASK_VALUE)
 
@@ -194,8 +269,12 @@ def _kernel(
         o_ref[...] = o.reshape(G, block_q, H).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles"))
-def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, count_tiles):
+@functools.partial(
+    jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles", "scale", "softcap")
+)
+def _segment_attention(
+    q, k, v, prefix_len, seg_start, window, block_sizes, interpret, count_tiles, scale, softcap
+):
     _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # off TPU there is no Mosaic lowering
         interpret = jax.default_backend() != "tpu"
@@ -206,6 +285,8 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
     prefix_len = prefix_len.astype(jnp.int32)
     seg_start = seg_start.astype(jnp.int32)
     first_key = _first_segment_key(seg_start, bq)
+    first_pos = _first_position(prefix_len, seg_start, bq)
+    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     lanes = jnp.broadcast_to(seg_start[:, :, None], (B, T, NUM_LANES))
 
     kv_map = functools.partial(_kv_index_map, block_q=bq, block_kv=bkv)
@@ -222,7 +303,7 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
         out_specs.append(pl.BlockSpec(tile_block, lambda b, h, i, j, *_: (b, h, i, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, K, T // bq, NUM_SUBLANES, NUM_LANES), jnp.int32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=4,
         grid=(B, K, T // bq, T // bkv),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -232,7 +313,8 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
             pltpu.VMEM((G * bq, H), jnp.float32),  # running weighted values
         ],
     )
-    kernel = functools.partial(_kernel, scale=1 / H**0.5, count_tiles=count_tiles)
+    scale = H**-0.5 if scale is None else scale
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, count_tiles=count_tiles)
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -241,7 +323,7 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
-    )(prefix_len, first_key, lanes, q.reshape(B, K, G, T, H), k, v)
+    )(prefix_len, first_key, first_pos, window, lanes, q.reshape(B, K, G, T, H), k, v)
     o = outs[0].reshape(B, N, T, H)
     return (o, outs[1][..., 0, 0].sum()) if count_tiles else o
 
@@ -252,19 +334,32 @@ def segment_attention(
     v: jax.Array,
     prefix_len: jax.Array,
     seg_start: jax.Array,
+    window: jax.Array | None = None,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask given by prefix_len [B] and seg_start [B, T] (see the module docstring).
+    mask given by prefix_len [B] and seg_start [B, T], cut to `window` (an int32 scalar, may be
+    traced; None: no window) as the module docstring draws it.
 
-    Every row must see at least one key (seg_start[r] <= r holds that). T must be a multiple of
-    both block sizes. interpret defaults to True off TPU, where the Mosaic lowering is missing.
+    Scores are scaled by `scale` (default H ** -0.5) and soft-capped as tanh(s / softcap) *
+    softcap where softcap is given. Every row must see at least one key (seg_start[r] <= r holds
+    that). T must be a multiple of both block sizes. interpret defaults to True off TPU, where
+    the Mosaic lowering is missing.
     """
-    return _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, False)
+    return _segment_attention(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, False, scale, softcap
+    )
 
 
-def executed_tiles(q, k, v, prefix_len, seg_start, *, block_sizes=BlockSizes(), interpret=None):
+def executed_tiles(
+    q, k, v, prefix_len, seg_start, window=None, *, block_sizes=BlockSizes(), interpret=None
+):
     """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    return int(_segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, True)[1])
+    out = _segment_attention(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, True, None, None
+    )
+    return int(out[1])
