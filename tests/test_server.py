@@ -87,8 +87,7 @@ def url(scorer):
         max_body_bytes=MAX_BODY_BYTES,
         max_items=MAX_ITEMS,
     )
-    service = app.state.service
-    app.router.routes.append(Route("/boom", service.endpoint(boom), methods=["POST"]))
+    app.router.routes.append(Route("/boom", boom, methods=["POST"]))
     running = ServerThread(app)
     yield running.url
     running.stop()

@@ -2,23 +2,26 @@
 
     tpuscore serve --port 8000            # or: run(create_app(scorer), port=8000)
 
-Endpoints (docs/serving.md has the request and response of each):
+Endpoints (docs/serving.md has the request and response of each; `GET /openapi.json` publishes
+them, `GET /docs` shows them):
 
 - POST /v1/score: SGLang's scoring request and response.
 - POST /v1/rerank and /rerank: the Cohere v1 / Jina rerank shape, as vLLM serves it.
 - POST /v2/rerank: Cohere's v2 rerank shape.
 - GET /health, GET /v1/models, GET /metrics (Prometheus text).
 
-Why Starlette on uvicorn: the HTTP layer is thin on purpose (parse, call the library, map a
-`ValidationError.code` to a status), and Starlette gives routing, requests and responses and
-nothing more. FastAPI would add pydantic request models whose automatic 422 errors would have to
-be undone to give tpuscore's stable codes and SGLang's error shape. uvicorn is the reference ASGI
-server: one process, one event loop, so requests from many connections are parsed concurrently
-and meet in the `Batcher`, which hands the model batches from one worker.
+The wire format is `serving/protocol.py`'s models; this module wires them to the library. A
+handler is thin: FastAPI parses the body into its model, the handler calls the Batcher and
+builds the response model. Errors become tpuscore's error body in one place each: a request
+that fails its model (`RequestValidationError`), one the library refuses (`ValidationError`), a
+full queue (`Overloaded`: 503 with Retry-After), HTTP errors (413 over max_body_bytes, 404,
+405), and a bug (500, logged; the server keeps serving).
 
-Every request goes through `Batcher.score_async`: validation runs before it is queued (one
-client's bad input never fails another's request), requests that share a query run together,
-and a full queue answers 503 with Retry-After instead of queueing without bound.
+uvicorn is the reference ASGI server: one process, one event loop, so requests from many
+connections are parsed concurrently and meet in the `Batcher`, which hands the model batches
+from one worker. Every request goes through `Batcher.score_async`: validation runs before it is
+queued (one client's bad input never fails another's request), requests that share a query run
+together, and a full queue answers 503 with Retry-After instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -29,20 +32,26 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-import prometheus_client
+import starlette.responses
 import uvicorn
-from starlette.applications import Starlette
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import PlainTextResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tpuscore import Batcher, Overloaded, Scorer, ValidationError
+import tpuscore
 from tpuscore.api import templates
+from tpuscore.api.errors import ValidationError
+from tpuscore.scorer import Scorer
+from tpuscore.serving import protocol
+from tpuscore.serving.batcher import Batcher, Overloaded
+from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
@@ -50,78 +59,43 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = 4096
-# Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
-COHERE_MAX_TOKENS_PER_DOC = 4096
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
-
-# Fields each endpoint takes. SCORE_FIELDS adds `labels` (label strings, as Scorer.score takes
-# them) to SGLang's fields; the rerank endpoints add `instruction` and `max_tokens_per_doc`.
-SCORE_FIELDS = {
-    "query",
-    "items",
-    "label_token_ids",
-    "labels",
-    "apply_softmax",
-    "item_first",
-    "model",
-}
-RERANK_V1_FIELDS = {
-    "model",
-    "query",
-    "documents",
-    "top_n",
-    "return_documents",
-    "instruction",
-    "max_tokens_per_doc",
-}
-RERANK_V2_FIELDS = {"model", "query", "documents", "top_n", "max_tokens_per_doc", "instruction"}
-# Fields the original APIs define and tpuscore does not implement: accepted at these default
-# values (clients send them), refused with `unsupported_field` otherwise.
-SCORE_DEFAULTS_ONLY = {
-    "embed_override_token_id": None,
-    "query_embed_overrides": None,
-    "item_embed_overrides": None,
-    "return_pooled_hidden_states": False,
-}
-RERANK_V1_DEFAULTS_ONLY = {"rank_fields": None, "max_chunks_per_doc": None}
-RERANK_V2_DEFAULTS_ONLY = {"relevant_spans": None, "priority": 0}
+# The library calls a rerank's documents `items`; its errors name them as the wire does.
+RERANK_PARAMS = {"items": "documents"}
 
 ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}
 
 
-class ApiError(Exception):
-    """An HTTP error with tpuscore's error body: {object, message, type, param, code}."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-        self.headers = dict(headers or {})
-
-    def response(self) -> Response:
-        body = {
-            "object": "error",
-            "message": str(self),
-            "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-            "param": self.param,
-            "code": self.code,
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """tpuscore's error body: {object, message, type, param, code}."""
+    body = protocol.ErrorBody(
+        message=message,
+        type=ERROR_TYPES.get(status, "invalid_request_error"),
+        param=param,
+        code=code,
+    )
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-class JSONResponse(Response):
+class ApiError(HTTPException):
+    """An HTTP error the server raises itself, with its tpuscore code and param."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(status, message)
+        self.code, self.param = code, param
+
+
+class JSONResponse(starlette.responses.JSONResponse):
     """JSON with ASCII escapes (any str survives, lone surrogates too) and no NaN or Infinity:
     a non-finite score is a bug to report as a 500, not invalid JSON to send."""
-
-    media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")
@@ -138,36 +112,71 @@ def model_name(model: str | None) -> str:
     return str(model)
 
 
-class Metrics:
-    """The Prometheus series of one app, in a registry of its own (apps do not share counts)."""
+# -- reading a body -------------------------------------------------------------------------------
 
-    def __init__(self) -> None:
-        self.registry = prometheus_client.CollectorRegistry()
-        kw = {"registry": self.registry, "namespace": "tpuscore"}
-        self.requests = prometheus_client.Counter(
-            "requests", "HTTP requests answered", ["endpoint", "status"], **kw
-        )
-        self.items = prometheus_client.Counter(
-            "items", "items or documents scored", ["endpoint"], **kw
-        )
-        self.tokens = prometheus_client.Counter(
-            "tokens", "token positions the model ran", ["endpoint"], **kw
-        )
-        self.latency = prometheus_client.Histogram(
-            "request_seconds",
-            "time from request to response",
-            ["endpoint"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            **kw,
-        )
-        self.backend_picks = prometheus_client.Counter(
-            "backend_picks", "scoring results by the backend that ran them", ["backend"], **kw
-        )
 
-    def scored(self, endpoint: str, num_items: int, result: Any) -> None:
-        self.items.labels(endpoint).inc(num_items)
-        self.tokens.labels(endpoint).inc(result.num_tokens)
-        self.backend_picks.labels(result.backend).inc()
+class JsonRequest(Request):
+    """A request whose body is read up to the server's max_body_bytes and must be a JSON object
+    (FastAPI's "custom Request class" pattern: FastAPI then reads the body from here)."""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            limit = self.app.state.service.max_body_bytes
+            declared = self.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise too_large(limit)
+            body = bytearray()
+            async for chunk in self.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large(limit)
+            self._body = bytes(body)
+        return self._body
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            media_type = self.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                raise ApiError(
+                    400,
+                    "invalid_content_type",
+                    f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                )
+            body = await self.body()
+            try:
+                value = json.loads(body)
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+                raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ApiError(
+                    400,
+                    "invalid_request",
+                    f"the body must be a JSON object, got {type(value).__name__}",
+                )
+            self._json = value
+        return self._json
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, "body_too_large", f"the body is larger than {limit} bytes")
+
+
+class JsonBodyRoute(APIRoute):
+    """A POST endpoint: its body is read and checked as a JSON object (`JsonRequest`) before
+    FastAPI parses it into the endpoint's model."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        parse_and_handle = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            request = JsonRequest(request.scope, request.receive)
+            await request.json()
+            return await parse_and_handle(request)
+
+        return handle
+
+
+# -- the endpoints --------------------------------------------------------------------------------
 
 
 class Service:
@@ -213,213 +222,187 @@ class Service:
         self.metrics = Metrics()
         self.created = int(time.time())
 
-    # -- POST /v1/score ------------------------------------------------------------------------
-
-    async def score(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        check_fields(body, SCORE_FIELDS, SCORE_DEFAULTS_ONLY)
-        check_optional(body, "model", str)
-        items = body.get("items")
-        if isinstance(items, str):  # SGLang takes one text item as a bare string
-            items = [items]
+    async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
+        """SGLang's scoring: P(label | query + item) for each item and label."""
+        items = [body.items] if isinstance(body.items, str) else body.items
         self.check_count(items, "items")
         result = await self.batcher.score_async(
-            query=body.get("query"),
-            items=items,
-            label_token_ids=body.get("label_token_ids"),
-            labels=body.get("labels"),
-            apply_softmax=body.get("apply_softmax", False),
-            item_first=body.get("item_first", False),
+            query=body.query, items=items, **protocol.score_options(body)
         )
         self.metrics.scored(request.url.path, len(items), result)
-        return JSONResponse(
-            {
-                "scores": result.scores.tolist(),
-                "model": self.model_name,
-                "usage": usage(result.num_tokens),
-                "object": "scoring",
-            }
+        response = protocol.ScoreResponse(
+            scores=result.scores.tolist(),
+            model=self.model_name,
+            usage=protocol.Usage.of(result.num_tokens),
         )
+        return JSONResponse(response.model_dump())
 
-    # -- POST /v1/rerank, /rerank, /v2/rerank --------------------------------------------------
-
-    async def rerank_v1(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        check_fields(body, RERANK_V1_FIELDS, RERANK_V1_DEFAULTS_ONLY)
-        return_documents = body.get("return_documents", True)
-        if not isinstance(return_documents, bool):
-            raise invalid("return_documents", f"must be a bool, got {return_documents!r}")
-        ranked, result, num_docs = await self.rerank(body, body.get("max_tokens_per_doc"))
-        self.metrics.scored(request.url.path, num_docs, result)
-        results = []
-        for r in ranked:
-            entry = {"index": r.index, "relevance_score": float(r.score)}
-            if return_documents:
-                entry["document"] = {"text": r.item}
-            results.append(entry)
-        return JSONResponse(
-            {
-                "id": f"rerank-{uuid.uuid4().hex}",
-                "model": self.model_name,
-                "usage": {"prompt_tokens": result.num_tokens, "total_tokens": result.num_tokens},
-                "results": results,
-            }
+    async def rerank_v1(self, request: Request, body: protocol.RerankRequest) -> Response:
+        """Documents sorted by relevance to the query, highest first (Cohere v1, Jina, vLLM)."""
+        ranked, result = await self.rerank(body)
+        self.metrics.scored(request.url.path, len(body.documents), result)
+        results = [
+            protocol.RerankResult(
+                index=r.index,
+                relevance_score=float(r.score),
+                document=protocol.RerankDocument(text=r.item) if body.return_documents else None,
+            )
+            for r in ranked
+        ]
+        usage = protocol.RerankUsage(
+            prompt_tokens=result.num_tokens, total_tokens=result.num_tokens
         )
-
-    async def rerank_v2(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        check_fields(body, RERANK_V2_FIELDS, RERANK_V2_DEFAULTS_ONLY)
-        max_tokens = body.get("max_tokens_per_doc", COHERE_MAX_TOKENS_PER_DOC)
-        ranked, result, num_docs = await self.rerank(body, max_tokens)
-        self.metrics.scored(request.url.path, num_docs, result)
-        tokens = {"input_tokens": result.num_tokens, "output_tokens": 0}
-        return JSONResponse(
-            {
-                "id": str(uuid.uuid4()),
-                "results": [{"index": r.index, "relevance_score": float(r.score)} for r in ranked],
-                "meta": {"api_version": {"version": "2"}, "billed_units": tokens, "tokens": tokens},
-            }
+        response = protocol.RerankResponse(
+            id=f"rerank-{uuid.uuid4().hex}", model=self.model_name, usage=usage, results=results
         )
+        return JSONResponse(response.model_dump(exclude_none=True))  # no document: no key
 
-    async def rerank(self, body: dict[str, Any], max_tokens: Any):
-        """(ranked documents, ScoreResult, document count) under the server's template.
+    async def rerank_v2(self, request: Request, body: protocol.RerankV2Request) -> Response:
+        """Documents sorted by relevance to the query, highest first (Cohere v2)."""
+        ranked, result = await self.rerank(body)
+        self.metrics.scored(request.url.path, len(body.documents), result)
+        tokens = protocol.BilledUnits(input_tokens=result.num_tokens)
+        response = protocol.RerankV2Response(
+            id=str(uuid.uuid4()),
+            results=[
+                protocol.RerankV2Result(index=r.index, relevance_score=float(r.score))
+                for r in ranked
+            ],
+            meta=protocol.RerankV2Meta(
+                api_version=protocol.ApiVersion(), billed_units=tokens, tokens=tokens
+            ),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def rerank(self, body: protocol.RerankRequest | protocol.RerankV2Request):
+        """(ranked documents, ScoreResult) under the server's template.
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
         computes it; `top_n` null or 0 returns every document (vLLM's default is 0)."""
-        query = body.get("query")
-        if not isinstance(query, str):
-            raise invalid("query", f"must be a string, got {query!r}", code="invalid_query")
-        check_optional(body, "model", str)
-        instruction = check_optional(body, "instruction", str)
-        top_n = body.get("top_n")
-        if top_n is not None and (not is_int(top_n) or top_n < 0):
-            raise invalid("top_n", f"must be a non-negative integer or null, got {top_n!r}")
-        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
-            raise invalid(
-                "max_tokens_per_doc", f"must be a positive integer or null, got {max_tokens!r}"
-            )
-        docs = documents(body.get("documents"))
+        docs = body.documents
         self.check_count(docs, "documents")
         t = self.template
         try:
             result = await self.batcher.score_async(
-                query=t.render_query(query, instruction=instruction),
+                query=t.render_query(body.query, instruction=body.instruction),
                 items=[t.render_item(doc) for doc in docs],
                 labels=list(t.labels),
                 item_suffix=t.item_suffix,
-                max_item_tokens=max_tokens,
+                max_item_tokens=body.max_tokens_per_doc,
                 truncate="right",
             )
-        except ValidationError as e:  # name the rerank field, not Scorer.score's
-            param = e.param if e.param is None else e.param.replace("items", "documents")
-            raise ValidationError(e.code, str(e), param) from None
-        ranked = ranking.rank_result(result, docs, positive=0, top_k=top_n or None)
-        return ranked, result, len(docs)
+        except ValidationError as e:
+            raise wire_names(e, RERANK_PARAMS) from None
+        ranked = ranking.rank_result(result, docs, positive=0, top_k=body.top_n or None)
+        return ranked, result
 
-    # -- GET /health, /v1/models, /metrics ------------------------------------------------------
+    async def health(self) -> Response:
+        """`ok` once the model is loaded."""
+        return JSONResponse(protocol.Health(model=self.model_name).model_dump())
 
-    async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_name})
-
-    async def models(self, request: Request) -> Response:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tpuscore",
-            "max_model_len": self.scorer.config.max_position_embeddings,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def prometheus(self, request: Request) -> Response:
-        return Response(
-            prometheus_client.generate_latest(self.metrics.registry),
-            media_type=prometheus_client.CONTENT_TYPE_LATEST,
+    async def models(self) -> Response:
+        """The one model this server serves."""
+        card = protocol.ModelCard(
+            id=self.model_name,
+            created=self.created,
+            max_model_len=self.scorer.config.max_position_embeddings,
         )
+        return JSONResponse(protocol.ModelList(data=[card]).model_dump())
 
-    # -- request parsing ------------------------------------------------------------------------
-
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object, read up to max_body_bytes."""
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            raise ApiError(
-                400,
-                "invalid_content_type",
-                f"Content-Type must be application/json, got {media_type or 'none'!r}",
-            )
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self.too_large()
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise self.too_large()
-        try:
-            value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ApiError(
-                400,
-                "invalid_request",
-                f"the body must be a JSON object, got {type(value).__name__}",
-            )
-        return value
-
-    def too_large(self) -> ApiError:
-        return ApiError(
-            413, "body_too_large", f"the body is larger than {self.max_body_bytes} bytes"
-        )
+    async def prometheus(self) -> Response:
+        """The Prometheus series: requests by status, latency, items, tokens, backends."""
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
     def check_count(self, items: Any, param: str) -> None:
         if isinstance(items, list) and len(items) > self.max_items:
-            raise ApiError(
-                400,
+            raise ValidationError(
                 "too_many_items",
                 f"{param} has {len(items)} entries; this server takes at most {self.max_items}",
                 param,
             )
 
-    # -- routing --------------------------------------------------------------------------------
 
-    def endpoint(self, handler: Callable[[Request], Awaitable[Response]]):
-        """handler with errors mapped to status codes and every answer counted and timed."""
+def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationError:
+    """`error` with its param's first part (a library argument) renamed by `names`."""
+    if error.param is None:
+        return error
+    head, sep, rest = error.param.partition("[")
+    return ValidationError(error.code, str(error), names.get(head, head) + sep + rest)
 
-        async def run(request: Request) -> Response:
-            start = time.perf_counter()
-            try:
-                response = await handler(request)
-            except ApiError as e:
-                response = e.response()
-            except ValidationError as e:
-                response = ApiError(400, e.code, str(e), e.param).response()
-            except Overloaded as e:
-                headers = {"Retry-After": str(RETRY_AFTER_S)}
-                response = ApiError(503, "overloaded", str(e), headers=headers).response()
-            except Exception as e:  # noqa: BLE001 (a bug answers 500; the server stays up)
-                logger.exception("%s %s failed", request.method, request.url.path)
-                message = f"internal error ({type(e).__name__}); the server log has the details"
-                response = ApiError(500, "internal_error", message).response()
-            path = request.url.path
-            self.metrics.requests.labels(path, str(response.status_code)).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
-            return response
 
-        return run
+# -- errors and counts ----------------------------------------------------------------------------
 
-    def routes(self) -> list[Route]:
-        post, get = ["POST"], ["GET"]
-        return [
-            Route("/v1/score", self.endpoint(self.score), methods=post),
-            Route("/v1/rerank", self.endpoint(self.rerank_v1), methods=post),
-            Route("/rerank", self.endpoint(self.rerank_v1), methods=post),
-            Route("/v2/rerank", self.endpoint(self.rerank_v2), methods=post),
-            Route("/health", self.endpoint(self.health), methods=get),
-            Route("/v1/models", self.endpoint(self.models), methods=get),
-            Route("/metrics", self.prometheus, methods=get),
-        ]
+
+async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
+    """A body that fails its model: the first error, as tpuscore's code and param."""
+    code, param, message = protocol.error_fields(exc.errors()[0])
+    return error_response(400, code, message, param)
+
+
+async def input_refused(request: Request, exc: ValidationError) -> Response:
+    return error_response(400, exc.code, str(exc), exc.param)
+
+
+async def overloaded(request: Request, exc: Overloaded) -> Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return error_response(503, "overloaded", str(exc), headers=headers)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    if isinstance(exc, ApiError):
+        return error_response(exc.status_code, exc.code, exc.detail, exc.param)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return error_response(exc.status_code, code, message, headers=exc.headers)
+
+
+class CountedAndGuarded:
+    """ASGI middleware: a bug below answers 500 `internal_error` (logged with its traceback;
+    the server keeps serving), and every answer of an endpoint in `counted` is counted and
+    timed by path and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, counted: set[str]):
+        self.app, self.metrics, self.counted = app, metrics, counted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = None
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            if status is not None:  # the answer has begun: nothing else can be sent
+                raise
+            message = f"internal error ({type(e).__name__}); the server log has the details"
+            await error_response(500, "internal_error", message)(scope, receive, sending)
+        route = scope.get("route")
+        path = getattr(route, "path", None)
+        if path in self.counted and scope["method"] in getattr(route, "methods", ()):
+            self.metrics.answered(path, status or 500, time.perf_counter() - start)
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+ERROR_CONTENT = {"model": protocol.ErrorBody}
+POST_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**ERROR_CONTENT, "description": "a bad request; `code` says why (docs/serving.md)"},
+    413: {**ERROR_CONTENT, "description": "the body is larger than --max-body-bytes"},
+    503: {
+        **ERROR_CONTENT,
+        "description": "the queue is full; retry after Retry-After seconds",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+    },
+}
 
 
 def create_app(
@@ -431,13 +414,13 @@ def create_app(
     max_items: int = DEFAULT_MAX_ITEMS,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
-) -> Starlette:
+) -> FastAPI:
     """The ASGI app serving `scorer`.
 
-    rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app builds a
-    Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at shutdown,
-    unless given one to share, which the caller closes. Raises ValueError for an unknown
-    template name or a limit below 1."""
+    rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
+    builds a Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at
+    shutdown, unless given one to share, which the caller closes. Raises ValueError for an
+    unknown template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -456,89 +439,73 @@ def create_app(
         raise
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: FastAPI):
         yield
         if own:  # close() drains the queue: off the event loop, which the drain may need
             await asyncio.to_thread(batcher.close)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, code, message, headers=exc.headers).response()
-
-    app = Starlette(
-        routes=service.routes(),
-        exception_handlers={HTTPException: http_error},
+    app = FastAPI(
+        title="tpuscore",
+        version=tpuscore.__version__,
+        summary="Score items with a decoder-only LLM: SGLang's /v1/score, Cohere/Jina rerank.",
         lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+        default_response_class=JSONResponse,
     )
     app.state.service = service
+
+    scoring = [  # (path, handler, response model): POST, the body a JSON object
+        ("/v1/score", service.score, protocol.ScoreResponse),
+        ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
+        ("/rerank", service.rerank_v1, protocol.RerankResponse),
+        ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
+    ]
+    for path, handler, model in scoring:
+        app.router.add_api_route(
+            path,
+            handler,
+            methods=["POST"],
+            response_model=model,
+            responses=POST_ERRORS,
+            route_class_override=JsonBodyRoute,
+        )
+    app.add_api_route("/health", service.health, methods=["GET"], response_model=protocol.Health)
+    app.add_api_route(
+        "/v1/models", service.models, methods=["GET"], response_model=protocol.ModelList
+    )
+    app.add_api_route(
+        "/metrics", service.prometheus, methods=["GET"], response_class=PlainTextResponse
+    )
+    counted = {path for path, _, _ in scoring} | {"/health", "/v1/models"}
+
+    app.add_exception_handler(RequestValidationError, request_invalid)
+    app.add_exception_handler(ValidationError, input_refused)
+    app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_middleware(CountedAndGuarded, metrics=service.metrics, counted=counted)
+    app.openapi = _without_422(app)
     return app
 
 
-def usage(num_tokens: int) -> dict[str, int]:
-    """SGLang's usage block: scoring runs prompts only, so completion_tokens is 0."""
-    return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """app.openapi, less the 422 FastAPI documents for every body: a request that fails its
+    model gets a 400 with tpuscore's error body, documented as such."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    return openapi
 
 
-def run(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+def run(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
     """Serve `app` with uvicorn until interrupted (one process: the model is loaded once)."""
     uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def check_fields(body: dict[str, Any], allowed: set[str], defaults_only: Mapping[str, Any]):
-    """Refuse fields the endpoint does not know, and known-but-unimplemented ones set to
-    anything but their default."""
-    for key, value in body.items():
-        if key in allowed:
-            continue
-        if key in defaults_only:
-            default = defaults_only[key]
-            if type(value) is type(default) and value == default:
-                continue
-            raise ApiError(
-                400,
-                "unsupported_field",
-                f"{key} is not supported by tpuscore; leave it out or set it to "
-                f"{json.dumps(defaults_only[key])}",
-                key,
-            )
-        raise ApiError(
-            400,
-            "unknown_field",
-            f"unknown field {key!r}; this endpoint takes {', '.join(sorted(allowed))}",
-            key,
-        )
-
-
-def check_optional(body: dict[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
-    if value is not None and not isinstance(value, kind):
-        raise invalid(key, f"must be a {kind.__name__} or null, got {value!r}")
-    return value
-
-
-def documents(value: Any) -> list[str]:
-    """Rerank documents as text: each a string or {"text": string}."""
-    if not isinstance(value, list):
-        raise invalid("documents", f"must be a list, got {value!r}", code="invalid_documents")
-    texts = []
-    for i, doc in enumerate(value):
-        if isinstance(doc, dict) and set(doc) == {"text"}:
-            doc = doc["text"]
-        if not isinstance(doc, str):
-            raise invalid(
-                f"documents[{i}]",
-                f'must be a string or {{"text": string}}, got {doc!r}',
-                code="invalid_documents",
-            )
-        texts.append(doc)
-    return texts
-
-
-def invalid(param: str, message: str, *, code: str = "invalid_argument") -> ApiError:
-    """A 400 for a field of the wrong type or value; message follows the field's name."""
-    return ApiError(400, code, f"{param} {message}", param)
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

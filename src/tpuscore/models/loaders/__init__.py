@@ -18,7 +18,7 @@ import safetensors
 import tokenizers
 
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.loaders import default, gguf
+from tpuscore.models.loaders import default, gguf, weight_cache
 from tpuscore.models.loaders import orbax as checkpoint
 from tpuscore.models.weights import Params, params_from_checkpoint
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
@@ -53,8 +53,7 @@ def load(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; give a directory or a .gguf file")
-        ckpt = gguf.read_gguf(path)
-        return ckpt.config, params_from_checkpoint(ckpt.config, ckpt.tensors, dtype), ckpt.tokenizer
+        return weight_cache.load_cached(path, dtype, lambda: _read_gguf(path, dtype))
     if checkpoint.is_checkpoint(path):
         return checkpoint.restore(path, dtype, layout_for)
     if (path / "config.json").is_file():
@@ -63,6 +62,11 @@ def load(
         f"{path} is neither a Hugging Face model directory (config.json) "
         f"nor a tpuscore checkpoint ({checkpoint.MARKER})"
     )
+
+
+def _read_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
+    ckpt = gguf.read_gguf(path)
+    return ckpt.config, params_from_checkpoint(ckpt.config, ckpt.tensors, dtype), ckpt.tokenizer
 
 
 def _read_hf_dir(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:

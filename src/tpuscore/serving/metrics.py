@@ -1,0 +1,52 @@
+"""The server's Prometheus series (`GET /metrics`), in a registry per app: apps do not share
+counts."""
+
+from __future__ import annotations
+
+import prometheus_client
+
+from tpuscore.api.results import ScoreResult
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """tpuscore_requests_total, _request_seconds, _items_total, _tokens_total and
+    _backend_picks_total, each labelled by endpoint (the path) or backend."""
+
+    def __init__(self) -> None:
+        self.registry = prometheus_client.CollectorRegistry()
+        kw = {"registry": self.registry, "namespace": "tpuscore"}
+        self.requests = prometheus_client.Counter(
+            "requests", "HTTP requests answered", ["endpoint", "status"], **kw
+        )
+        self.items = prometheus_client.Counter(
+            "items", "items or documents scored", ["endpoint"], **kw
+        )
+        self.tokens = prometheus_client.Counter(
+            "tokens", "token positions the model ran", ["endpoint"], **kw
+        )
+        self.latency = prometheus_client.Histogram(
+            "request_seconds",
+            "time from request to response",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            **kw,
+        )
+        self.backend_picks = prometheus_client.Counter(
+            "backend_picks", "scoring results by the backend that ran them", ["backend"], **kw
+        )
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
+
+    def scored(self, endpoint: str, num_items: int, result: ScoreResult) -> None:
+        self.items.labels(endpoint).inc(num_items)
+        self.tokens.labels(endpoint).inc(result.num_tokens)
+        self.backend_picks.labels(result.backend).inc()
+
+    def text(self) -> bytes:
+        """The exposition format, as `GET /metrics` answers it (media type CONTENT_TYPE)."""
+        return prometheus_client.generate_latest(self.registry)
