@@ -65,3 +65,42 @@ def test_classification_requests_refused(scorers, kwargs, query, items, code, pa
     with pytest.raises(ValidationError) as raised:
         scorers("qwen3_seq_cls").score(query, items, **kwargs)
     assert (raised.value.code, raised.value.param) == (code, param)
+
+
+def test_server_scores_and_reranks_a_classification_model(scorers):
+    """SGLang's /v1/score without label_token_ids answers the class logits (their softmax with
+    apply_softmax); /v1/rerank ranks by the relevant class (the last) through the template."""
+    import httpx
+
+    from test_server import TEMPLATE, ServerThread
+    from tpuscore.serving import app as server
+
+    scorer = scorers("qwen3_seq_cls")
+    running = ServerThread(server.create_app(scorer, rerank_template=TEMPLATE))
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            body = {"query": [5, 6, 7], "items": [[8], [9, 10]]}
+            for softmax in (False, True):
+                got = client.post("/v1/score", json=body | {"apply_softmax": softmax})
+                assert got.status_code == 200, got.text
+                expected = scorer.score(**body, apply_softmax=softmax).scores
+                np.testing.assert_allclose(got.json()["scores"], expected, rtol=1e-5, atol=1e-6)
+            refused = client.post("/v1/score", json=body | {"label_token_ids": [1]})
+            assert refused.status_code == 400
+            assert refused.json()["code"] == "labels_on_classification_model"
+            docs = ["a fox", "the market", "a river", "rotary embeddings"]
+            ranked = client.post("/v1/rerank", json={"query": "fox?", "documents": docs})
+            assert ranked.status_code == 200, ranked.text
+            expected = scorer.rank(
+                TEMPLATE.render_query("fox?"),
+                [TEMPLATE.render_item(d) for d in docs],
+                item_suffix=TEMPLATE.item_suffix,
+                positive=1,
+            )
+            results = ranked.json()["results"]
+            assert [r["index"] for r in results] == [r.index for r in expected]
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in results], [r.score for r in expected], rtol=1e-5
+            )
+    finally:
+        running.stop()
