@@ -196,6 +196,24 @@ FAMILY_CASES |= {
             "id2label": {0: "negative", 1: "neutral", 2: "positive"},
         },
     },
+    # Gemma 1 ((1 + w) norms, GeGLU, scaled embeddings, no sandwich norms) under a head.
+    "gemma_seq_cls": {
+        "model_type": "gemma",
+        "add_bos": True,
+        "head": "seq_cls",
+        "config": {
+            "hidden_size": 44,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 12,
+            "intermediate_size": 53,
+            "num_hidden_layers": 2,
+            "hidden_act": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "num_labels": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
     "qwen3_seq_cls": {
         "model_type": "qwen3",
         "add_bos": False,
@@ -272,7 +290,7 @@ def make_checkpoint(path_dir: str | os.PathLike[str], case: str, seed: int = 0) 
         raise ValueError(f"case={case!r} is unknown; expected one of {sorted(FAMILY_CASES)}")
     spec = FAMILY_CASES[case]
     common = {**_COMMON_CONFIG, "pad_token_id": spec.get("pad_token_id")}
-    config = AutoConfig.for_model(spec["model_type"], **common, **spec["config"])
+    config = AutoConfig.for_model(spec["model_type"], **(common | spec["config"]))
     torch.manual_seed(seed)
     auto = AutoModelForSequenceClassification if spec.get("head") else AutoModelForCausalLM
     model = auto.from_config(config).to(torch.float32)

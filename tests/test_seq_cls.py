@@ -9,7 +9,7 @@ from helpers import random_tokens
 from hf_reference import hf_class_logits
 from tpuscore import ValidationError
 
-SEQ_CLS_CASES = ("llama_seq_cls", "qwen2_seq_cls", "qwen3_seq_cls")
+SEQ_CLS_CASES = ("llama_seq_cls", "qwen2_seq_cls", "qwen3_seq_cls", "gemma_seq_cls")
 BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
 ATOL = 1e-4  # float32
 PAD = 1  # qwen3_seq_cls's pad_token_id
