@@ -294,16 +294,6 @@ def _layer_attention(config: ModelConfig, window) -> LayerAttention:
     return LayerAttention(window, attention_scale(config), config.attn_logit_softcap)
 
 
-def _plain(config: ModelConfig) -> bool:
-    """Whether attention needs nothing but q, k and v (Llama and Qwen): no window, the default
-    scale, no soft-cap. `extend` then keeps its original arithmetic (scores / sqrt(H))."""
-    return (
-        not config.windowed
-        and config.query_pre_attn_scalar is None
-        and config.attn_logit_softcap is None
-    )
-
-
 # attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention) -> [B,T,N,H]
 Attention = Callable[..., jax.Array]
 
@@ -368,15 +358,12 @@ def extend(
             return _prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions[0])
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
-        window = None if layer is None else layer.window
-        own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), window)
+        own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
         return _own_parts(q, k, v, own_mask, layer)
-
-    plain = _plain(config)
 
     def step(x, layer_inputs):
         p, prefix_k, prefix_v, window = layer_inputs
-        layer = None if plain else _layer_attention(config, window)
+        layer = _layer_attention(config, window)
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
         own_mask = mask & within_window(positions, positions, window)
@@ -417,7 +404,7 @@ def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
     )
 
 
-def _vocab_logprobs(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+def _head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """The head's output [B, V] for the hidden states [B, D]: log P(token) over the full
     vocabulary; for a classification model, its class logits [B, num_labels] instead."""
     h = _norm(config, hidden, params["final_norm"])
@@ -439,7 +426,7 @@ def label_logprobs(
 
     For a classification model, label_ids are class indices and the result is those classes'
     logits (validation makes them every class in order)."""
-    return _vocab_logprobs(params, config, hidden)[:, label_ids]
+    return _head(params, config, hidden)[:, label_ids]
 
 
 def row_label_logprobs(
@@ -448,6 +435,6 @@ def row_label_logprobs(
     """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C] (class
     logits for a classification model, as `label_logprobs`)."""
     B, slots, D = hidden.shape
-    logprobs = _vocab_logprobs(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
+    logprobs = _head(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
     index = jnp.broadcast_to(label_ids[:, None, :], (B, slots, label_ids.shape[1]))
     return jnp.take_along_axis(logprobs, index, axis=2)
