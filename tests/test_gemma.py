@@ -11,14 +11,21 @@ from helpers import random_tokens
 from hf_reference import hf_logprobs
 from tpuscore.models.config import ModelConfig
 
-GEMMA_CASES = ("gemma2_window", "gemma3_window")
 BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
 ATOL = 1e-4  # float32
 
 
-# Query lengths on both sides of the windows, items from empty to longer than a window.
-@pytest.mark.parametrize("query_len", [3, 20])
-@pytest.mark.parametrize("case", GEMMA_CASES)
+# Query lengths on both sides of the windows, items from empty to longer than a window. The
+# quick run takes one length per family; `slow` adds the other.
+@pytest.mark.parametrize(
+    ("case", "query_len"),
+    [
+        ("gemma2_window", 3),
+        ("gemma3_window", 20),
+        pytest.param("gemma2_window", 20, marks=pytest.mark.slow),
+        pytest.param("gemma3_window", 3, marks=pytest.mark.slow),
+    ],
+)
 def test_backends_match_transformers_across_the_window(
     case, query_len, checkpoint_dir, scorers, rng
 ):
