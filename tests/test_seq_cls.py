@@ -111,3 +111,10 @@ def test_server_scores_and_reranks_a_classification_model(scorers):
             )
     finally:
         running.stop()
+
+
+def test_warmup_runs_on_a_classification_model(scorers):
+    from helpers import fresh
+
+    warmed = fresh(scorers("llama_seq_cls")).warmup([(5, 2, 3)], backends=["serial"])
+    assert [w.backend for w in warmed] == ["serial"]
