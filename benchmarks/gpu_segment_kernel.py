@@ -21,7 +21,7 @@ from tpuscore.kernels.segment.gpu import (
     executed_tiles_gpu,
     segment_attention_gpu,
 )
-from tpuscore.kernels.segment.tpu import segment_attention_reference, segment_mask
+from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
 
 LAYOUTS = {"long": (2000, 500, 20), "sglang": (300, 10, 10), "short": (100, 100, 10)}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}

@@ -54,7 +54,7 @@ def fresh(scorer):
     shared scorers hold other tests' queries, and a partial prefix hit runs other steps (same
     scores within rounding, not bit for bit)."""
     shared = copy.copy(scorer)
-    shared.backends = scorer.backends.fresh()
+    shared.engine = scorer.engine.fresh()
     return shared
 
 

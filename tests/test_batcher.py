@@ -26,7 +26,7 @@ class Spy:
         self.runs: list[int] = []
         self.running = threading.Event()
 
-    def __getattr__(self, name):  # prepare, default_backend: the scorer's
+    def __getattr__(self, name):  # prepare, engine: the scorer's
         return getattr(self.scorer, name)
 
     def run(self, requests, *, backend=None):
@@ -266,3 +266,19 @@ def test_max_batch_tokens_bounds_a_batch(scorer, rng):
 def test_bad_options_name_the_option(scorer, options, message):
     with pytest.raises(ValueError, match=message):
         Batcher(scorer, **options)
+
+
+@pytest.mark.parametrize(
+    "request_, param",
+    [
+        ({"query": [1], "label_token_ids": [1]}, "items"),
+        ({"items": [[1]], "label_token_ids": [1]}, "query"),
+        ({"query": [1], "items": [[1]], "label_token_ids": [1], "lables": ["x"]}, "lables"),
+    ],
+)
+def test_a_request_missing_or_unknown_argument_is_a_validation_error(scorer, request_, param):
+    with Batcher(scorer) as batcher:
+        with pytest.raises(ValidationError) as raised:
+            batcher.submit(**request_)
+        assert (raised.value.code, raised.value.param) == ("invalid_argument", param)
+        assert batcher.pending == 0

@@ -6,6 +6,7 @@ seconds); the rest call `cli.main` in this process, which runs the same code.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 import tpuscore
 from helpers import random_tokens
+from tpuscore.api.requests import ScoreOptions
 from tpuscore.cli import commands as cli
 
 CASE = "qwen3_qknorm"
@@ -175,9 +177,68 @@ def test_bench_finds_the_checkout_script_or_says_why_not(tmp_path, capsys):
     assert cli.main(["bench", "--model", "x"]) == 2
 
 
+def test_bench_without_torch_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec then reports it missing
+    assert cli.main(["bench"]) == 1
+    err = capsys.readouterr().err
+    assert "torch is not installed" in err and "pip install" in err
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A model path that does not exist: loading it first would exit 2, not 1.
+        status = cli.main(["serve", "--model", str(tmp_path / "nope"), "--port", str(port)])
+    assert status == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_serve_refuses_an_unknown_template_before_listening(checkpoint_dir, capsys):
     status = cli.main(
         ["serve", "--model", str(checkpoint_dir(CASE)), "--rerank-template", "nope", "--port", "0"]
     )
     assert status == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "request_", "param"),
+    [
+        ("score", {"query": "a", "labels": ["x"]}, "items"),
+        ("score", {"items": ["b"], "labels": ["x"]}, "query"),
+        ("rank", {"query": "a", "labels": ["x", "e"]}, "items"),
+        ("loglikelihood", {"context": "a"}, "continuations"),
+    ],
+)
+def test_a_missing_field_is_the_librarys_typed_error(
+    command, request_, param, checkpoint_dir, tmp_path, capsys
+):
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(request_))
+    assert cli.main([command, "--model", str(checkpoint_dir(CASE)), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"[code invalid_argument, param {param}]" in err and err.count("\n") == 1
+    assert "positional argument" not in err
+
+
+def test_rank_accepts_its_own_fields_and_every_score_option(checkpoint_dir, tmp_path, capsys):
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "labels": ["x", "e"], "colour": 1}')
+    assert cli.main(["rank", "--model", str(checkpoint_dir(CASE)), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown field 'colour'" in err
+    assert all(name in err for name in ("top_k", "template", *ScoreOptions.names()))
+
+
+def test_calibrate_is_a_subcommand_with_its_own_flags(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["calibrate", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--out" in out and "--measurements" in out
+    for argv in (["calibrate", "--no-such-flag"], ["score", "--no-such-flag"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        assert done.value.code == 2  # calibrate's parser or ours: an unknown flag is refused

@@ -11,26 +11,21 @@ import numpy as np
 import pytest
 
 from helpers import fresh, random_tokens
-from tpuscore.backends import costs, serial
-from tpuscore.backends.packed import backend as packed
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore import Scorer
 
 ATOL = 1e-4  # float32
-STEPS = {  # backend -> (module, its jitted step that the injected error fails)
-    "serial": (serial, "score_sequences"),
-    "prefill_extend": (prefill_extend, "score_items"),
-    "packed_dense": (packed, "score_packed"),
+STEPS = {  # backend -> its jitted step that the injected error fails
+    "serial": "score_sequences",
+    "prefill_extend": "score_items",
+    "packed_dense": "score_packed",
 }
 
 
-@pytest.fixture(autouse=True)
-def safety_factors(monkeypatch):
-    """Each test starts with (and leaves) the process's safety factors as they were."""
-    monkeypatch.setattr(costs, "_SAFETY", {})
-
-
-def fail_first_call(monkeypatch, module, name, message="RESOURCE_EXHAUSTED: out of memory"):
-    step, calls = getattr(module, name), []
+def fail_first_call(scorer, backend, message="RESOURCE_EXHAUSTED: out of memory"):
+    """Make the first call of the backend's jitted step in this scorer (its own instance, so no
+    other scorer sees it) raise `message`; returns the list of its calls."""
+    runner, name, calls = scorer.get_backend(backend), STEPS[backend], []
+    step = getattr(runner, name)
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -38,14 +33,12 @@ def fail_first_call(monkeypatch, module, name, message="RESOURCE_EXHAUSTED: out 
             raise jax.errors.JaxRuntimeError(message)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, failing)
+    setattr(runner, name, failing)
     return calls
 
 
 @pytest.mark.parametrize("backend", sorted(STEPS))
-def test_an_out_of_memory_step_is_retried_smaller_and_exact(
-    backend, scorers, rng, monkeypatch, caplog
-):
+def test_an_out_of_memory_step_is_retried_smaller_and_exact(backend, scorers, rng, caplog):
     scorer = fresh(scorers("llama_gqa_untied"))
     vocab = scorer.config.vocab_size
     query = random_tokens(rng, 40, vocab)
@@ -54,27 +47,44 @@ def test_an_out_of_memory_step_is_retried_smaller_and_exact(
     scorer.score(query, items, [1, 2, 3], backend=backend)  # the query cached, as on the retry
     steps_before = scorer.plan(query, items, [1, 2, 3])[backend].steps
 
-    calls = fail_first_call(monkeypatch, *STEPS[backend])
+    calls = fail_first_call(scorer, backend)
     with caplog.at_level(logging.WARNING, logger="tpuscore.engine.memory_guard"):
         got = scorer.score(query, items, [1, 2, 3], backend=backend)
     np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
     assert len(calls) > 1
-    assert costs.safety_factor(backend) > 1  # for the rest of the process
+    assert scorer.get_backend(backend).safety > 1  # for the rest of this scorer's life
     assert scorer.plan(query, items, [1, 2, 3])[backend].steps > steps_before
     assert "ran out of device memory" in caplog.text
 
 
-def test_other_errors_and_unshrinkable_steps_are_not_retried(scorers, rng, monkeypatch):
+def test_an_out_of_memory_retry_shrinks_only_its_own_scorers_steps(scorers, rng):
+    base = scorers("llama_gqa_untied")
+    one, other = (Scorer(base.config, base.params, base.tokenizer) for _ in range(2))
+    vocab = base.config.vocab_size
+    query = random_tokens(rng, 30, vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 10, size=16)]
+    steps = other.plan(query, items, [1, 2])["serial"].steps
+    calls = fail_first_call(one, "serial")
+    one.score(query, items, [1, 2], backend="serial")
+    assert len(calls) > 1
+    assert one.get_backend("serial").safety > 1
+    assert one.plan(query, items, [1, 2])["serial"].steps > steps
+    assert other.get_backend("serial").safety == 1  # built before the retry, and after it:
+    assert other.plan(query, items, [1, 2])["serial"].steps == steps
+    assert Scorer(base.config, base.params, base.tokenizer).get_backend("serial").safety == 1
+
+
+def test_other_errors_and_unshrinkable_steps_are_not_retried(scorers, rng):
     scorer = fresh(scorers("qwen2_bias"))
     vocab = scorer.config.vocab_size
     query, items = random_tokens(rng, 10, vocab), [random_tokens(rng, 3, vocab)]
-    calls = fail_first_call(monkeypatch, packed, "score_packed", "INTERNAL: something else")
+    calls = fail_first_call(scorer, "packed_dense", "INTERNAL: something else")
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         scorer.score(query, items, [1], backend="packed_dense")
-    assert costs.safety_factor("packed_dense") == 1
+    assert scorer.get_backend("packed_dense").safety == 1
 
     # One item in one step: nothing to halve, so the error stands.
-    calls = fail_first_call(monkeypatch, serial, "score_sequences")
+    calls = fail_first_call(scorer, "serial")
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         scorer.score(query, items, [1], backend="serial")
     assert len(calls) == 1

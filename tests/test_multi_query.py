@@ -17,38 +17,38 @@ import pytest
 
 from helpers import random_tokens
 from tpuscore import Scorer, backends
-from tpuscore.backends import BackendOutput, costs
+from tpuscore.backends import BackendOutput
 from tpuscore.backends.buckets import bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.packed import backend as packed
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.packed.memory import packed_step_bytes
+from tpuscore.backends.prefill_extend.memory import prefill_row_bytes
 from tpuscore.backends.reference import last_token_logprobs
 
 CASE = "qwen2_bias"  # one tiny checkpoint for every test here: compiled steps are shared
 MIXING = ("packed_dense", "packed_segment", "prefill_extend")
 STEPS = {  # the jitted step functions of each backend, by pass
-    "packed_dense": {"packed": (packed, ("score_packed",))},
-    "packed_segment": {"packed": (packed, ("score_packed",))},
+    "packed_dense": {"packed": ("score_packed",)},
+    "packed_segment": {"packed": ("score_packed",)},
     "prefill_extend": {
-        "prefill": (prefill_extend, ("prefill", "prefill_rows")),
-        "extend": (prefill_extend, ("score_items", "score_mixed_items")),
+        "prefill": ("prefill", "prefill_rows"),
+        "extend": ("score_items", "score_mixed_items"),
     },
 }
 
 
-def _count_calls(monkeypatch, backend: str) -> collections.Counter:
-    """Count calls of the backend's jitted steps, per pass."""
-    calls = collections.Counter()
-    for name, (module, functions) in STEPS[backend].items():
+def _count_calls(scorer: Scorer, backend: str) -> collections.Counter:
+    """Count calls of the backend's jitted steps in this scorer's instance, per pass."""
+    runner, calls = scorer.get_backend(backend), collections.Counter()
+    for name, functions in STEPS[backend].items():
         for function in functions:
-            original = getattr(module, function)
+            original = getattr(runner, function)
 
             @functools.wraps(original)
             def counted(*args, _original=original, _pass=name, **kwargs):
                 calls[_pass] += 1
                 return _original(*args, **kwargs)
 
-            monkeypatch.setattr(module, function, counted)
+            setattr(runner, function, counted)
     return calls
 
 
@@ -86,25 +86,23 @@ def sixty_four(scorers):
 
 
 @pytest.mark.parametrize("backend", MIXING)
-def test_64_different_queries_share_device_steps(scorers, sixty_four, monkeypatch, backend):
+def test_64_different_queries_share_device_steps(scorers, sixty_four, backend):
     base = scorers(CASE)
     requests, expected = sixty_four
     # A budget of 16 rows at the longest length, so the 64 requests need several steps.
     if backend == "prefill_extend":
         longest_query = max(len(r["query"]) for r in requests)
-        one_row = costs.prefill_row_bytes(base.config, bucket_tokens(longest_query), 16)
+        one_row = prefill_row_bytes(base.config, bucket_tokens(longest_query), 16)
         options = {backend: {"activation_bytes": 16 * one_row}}
     else:
         longest = max(len(r["query"]) + sum(map(len, r["items"])) for r in requests)
         length = bucket_tokens(longest)
         if backend == "packed_segment":
             length = -(-length // 128) * 128  # whole kernel tiles
-        one_row = costs.packed_step_bytes(
-            base.config, 1, length, 2, dense_mask=backend == "packed_dense"
-        )
+        one_row = packed_step_bytes(base.config, 1, length, 2, dense_mask=backend == "packed_dense")
         options = {backend: {"activation_bytes": 16 * one_row}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
-    calls = _count_calls(monkeypatch, backend)
+    calls = _count_calls(scorer, backend)
     results = scorer.score_batch(requests, backend=backend)
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_allclose(result.logprobs, want, atol=1e-4, rtol=0)

@@ -5,10 +5,11 @@ import pytest
 
 from helpers import compile_events, random_tokens
 from tpuscore import Scorer, ValidationError
-from tpuscore.backends import costs
 from tpuscore.backends.buckets import MIN_LABEL_BUCKET, bucket_count
 from tpuscore.backends.contract import make_batch
 from tpuscore.backends.packed import packing
+from tpuscore.backends.packed.memory import packed_bytes
+from tpuscore.backends.work import logits_bytes
 
 PACKED = ("packed_dense", "packed_segment")
 ATOL = 1e-4  # float32
@@ -39,9 +40,7 @@ def test_many_short_items_split_so_their_logits_fit_the_budget_too(scorers, rng)
     vocab = base.config.vocab_size
     query, items = random_tokens(rng, 20, vocab), [random_tokens(rng, 1, vocab) for _ in range(90)]
     # Room for a 128-token row with 16 items' logits: 90 one-token items would fit its length.
-    budget = costs.packed_bytes(base.config, 128, dense_mask=True) + costs.logits_bytes(
-        base.config, 16
-    )
+    budget = packed_bytes(base.config, 128, dense_mask=True) + logits_bytes(base.config, 16)
     options = {"packed_dense": {"activation_bytes": budget}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
     backend = scorer.get_backend("packed_dense")
@@ -96,7 +95,7 @@ def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend):
     items = _items(rng, 30, vocab)
     serial = base.score(query, items, [1, 2], backend="serial").logprobs
     dense = backend == "packed_dense"
-    budget = costs.packed_bytes(base.config, 256, dense_mask=dense)  # room for ~256 tokens
+    budget = packed_bytes(base.config, 256, dense_mask=dense)  # room for ~256 tokens
     options = {backend: {"activation_bytes": budget}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
     got = scorer.score(query, items, [1, 2], backend=backend)

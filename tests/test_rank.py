@@ -123,3 +123,17 @@ def test_score_batch_progress_counts_requests(scorers, rng, capfd):
     assert "3/3" in capfd.readouterr().err
     for a, b in zip(quiet, shown, strict=True):
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
+def test_rank_takes_every_score_option(scorers, rng):
+    scorer = scorers(CASE)
+    query = random_tokens(rng, QUERY_LEN, VOCAB)
+    items = [random_tokens(rng, n, VOCAB) for n in (5, 12, 16, 9)]
+    options = {"item_first": True, "max_item_tokens": 8, "truncate": "left", "item_suffix": [9]}
+    ranked = scorer.rank(query, items, label_token_ids=[3, 7], backend="serial", **options)
+    result = scorer.score(query, [i[-8:] + [9] for i in items], [3, 7], item_first=True)
+    expected = rank_result(result, items)
+    assert [r.index for r in ranked] == [r.index for r in expected]
+    np.testing.assert_allclose(
+        [r.score for r in ranked], [r.score for r in expected], atol=1e-5, rtol=0
+    )

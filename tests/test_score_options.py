@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import SpyBackend, fresh, random_tokens
-from tpuscore import ValidationError, backends
+from tpuscore import ScoreOptions, ValidationError, backends
 
 CASE = "llama3_rope_tied"  # its tokenizer adds a BOS: the suffix must not get one
 VOCAB = 313  # tokenizer vocabulary (the model's is 331)
@@ -152,3 +152,33 @@ def test_invalid_text_is_named_inside_score_batch(scorer):
     with pytest.raises(ValidationError) as raised:
         scorer.score_batch(requests, backend="spy")
     assert (raised.value.code, raised.value.param) == ("invalid_text", "requests[1].items[1]")
+
+
+# Every entry point that takes a request's options checks their names against ScoreOptions.
+OPTION_TAKERS = {
+    "score": lambda s, **kw: s.score([1, 2], [[3]], **kw),
+    "prepare": lambda s, **kw: s.prepare([1, 2], [[3]], **kw),
+    "plan": lambda s, **kw: s.plan([1, 2], [[3]], **kw),
+    "rank": lambda s, **kw: s.rank([1, 2], [[3], [4]], **kw),
+    "score_batch": lambda s, **kw: s.score_batch([{"query": [1, 2], "items": [[3]], **kw}]),
+}
+
+
+@pytest.mark.parametrize("method", OPTION_TAKERS)
+def test_an_unknown_option_is_invalid_argument_naming_the_allowed_ones(scorer, method):
+    with pytest.raises(ValidationError) as raised:
+        OPTION_TAKERS[method](scorer, label_token_ids=[1, 2], lables=["x"])
+    assert raised.value.code == "invalid_argument"
+    assert raised.value.param.endswith("lables")
+    assert all(name in str(raised.value) for name in ScoreOptions.names())
+    assert SpyBackend.calls == 0
+
+
+def test_the_options_reach_validation_by_keyword_and_label_ids_by_position(scorer):
+    request = scorer.prepare([1, 2], [[3, 4, 5]], [6], max_item_tokens=1, item_suffix=[7])
+    assert (request.items, request.label_ids) == ([[3, 7]], [6])
+    assert scorer.prepare("q", ["x"], labels=["x"]).label_ids == encode(scorer, "x")
+    with pytest.raises(TypeError):  # one request, one set of labels
+        scorer.prepare([1], [[2]], [3], label_token_ids=[4])
+    plan = scorer.plan([1, 2], [[3]], [5], item_first=True, backend="spy")  # backend: ignored
+    assert not plan["prefill_extend"].eligible  # it cannot run item_first: the option arrived

@@ -184,3 +184,16 @@ def test_threads_get_their_sequential_results(scorers, rng):
             futures = [pool.submit(scorer.score, q, items, [1, 2]) for q, items in requests]
             for future, expected in zip(futures, sequential, strict=True):
                 np.testing.assert_array_equal(future.result().logprobs, expected)
+
+
+def test_a_fresh_engine_shares_the_model_and_not_the_backends(scorers, rng):
+    base = scorers("qwen3_qknorm")
+    scorer = Scorer(base.config, base.params, base.tokenizer)
+    query = random_tokens(rng, 9, scorer.config.vocab_size)
+    first = scorer.score(query, [[1], [2, 3]], [4], backend="prefill_extend")
+    engine = scorer.engine.fresh()
+    assert engine.model is scorer.engine.model and engine.backends is not scorer.backends
+    again = engine.run([scorer.prepare(query, [[1], [2, 3]], [4])], backend="prefill_extend")
+    np.testing.assert_array_equal(again[0].logprobs, first.logprobs)
+    assert engine.backends.get("prefill_extend").cache.misses == 1  # its own, empty cache
+    assert scorer.get_backend("prefill_extend").cache.misses == 1

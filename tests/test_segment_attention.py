@@ -6,13 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpuscore.kernels.segment.tpu import (
-    BlockSizes,
-    executed_tiles,
-    segment_attention,
-    segment_attention_reference,
-    segment_mask,
-)
+from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
+from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles, segment_attention
 
 
 def test_mask_matches_the_docstring_picture():

@@ -16,12 +16,8 @@ from tpuscore.kernels.segment.gpu import (
     executed_tiles_gpu,
     segment_attention_gpu,
 )
-from tpuscore.kernels.segment.tpu import (
-    BlockSizes,
-    executed_tiles,
-    segment_attention_reference,
-    segment_mask,
-)
+from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
+from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles
 
 
 @settings(max_examples=4, deadline=None)

@@ -10,9 +10,12 @@ import pytest
 
 from helpers import QWEN3_0_6B, compile_events, fresh, random_tokens
 from tpuscore import Scorer, ValidationError
-from tpuscore.backends import costs
+from tpuscore.backends import budgets, registry
 from tpuscore.backends.contract import make_batch
+from tpuscore.backends.packed.memory import packed_bytes
 from tpuscore.backends.pool import BackendPool
+from tpuscore.backends.serial import SerialBackend, SerialOptions
+from tpuscore.backends.work import step_work
 from tpuscore.cli import calibrate
 from tpuscore.engine import planning, profiles, selection
 from tpuscore.engine.profiles import DeviceProfile
@@ -25,7 +28,7 @@ ATOL = 1e-4  # float32
 def abstract_pool(config, budget: int) -> BackendPool:
     """Backends on a model with no weights: estimates need only its shapes."""
     model = Model(config, params=None, dtype=np.dtype(jnp.bfloat16))
-    return BackendPool(model, {n: {"activation_bytes": budget} for n in selection.CANDIDATES})
+    return BackendPool(model, {n: {"activation_bytes": budget} for n in registry.candidates()})
 
 
 @pytest.mark.parametrize(
@@ -60,7 +63,7 @@ def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
     config = Scorer.from_pretrained(path, dtype="float32").config
     # A profile where a step costs 1 s and a token through the layers 10 ms: packed_dense (one
     # step) beats prefill_extend (the same tokens in two), and serial (the query once per item).
-    token_flops = costs.step_work(config, 4, rows=1, new=1, pairs=0, slots=0, peak=0).flops
+    token_flops = step_work(config, 4, rows=1, new=1, pairs=0, slots=0, peak=0).flops
     steps_and_tokens = DeviceProfile(
         name="steps", device_kinds=(), matmul_flops={"float32": 100 * token_flops},
         memory_bandwidth=1e30, step_seconds=1.0, score_seconds=0.0, interpret_penalty=1.0,
@@ -71,7 +74,7 @@ def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
     query, items = random_tokens(rng, 200, vocab), [random_tokens(rng, 5, vocab) for _ in range(6)]
     assert roomy.plan(query, items, [1, 2]).pick == "packed_dense"
 
-    budget = costs.packed_bytes(roomy.config, 128, dense_mask=True)  # under one 200-token row
+    budget = packed_bytes(roomy.config, 128, dense_mask=True)  # under one 200-token row
     tight = Scorer.from_pretrained(
         path, dtype="float32", profile=steps_and_tokens,
         backend_options={"packed_dense": {"activation_bytes": budget}},
@@ -86,7 +89,7 @@ def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
 
 
 def test_a_tiny_budget_runs_serial_one_item_per_step_and_stays_exact(checkpoint_dir, rng):
-    options = {name: {"activation_bytes": 1} for name in selection.CANDIDATES}
+    options = {name: {"activation_bytes": 1} for name in registry.candidates()}
     options["prefill_extend"]["prefix_cache_bytes"] = 0  # the K/V it holds has a budget too
     scorer = Scorer.from_pretrained(
         checkpoint_dir("llama_gqa_untied"), dtype="float32", backend_options=options
@@ -107,15 +110,45 @@ def test_plan_estimates_every_backend_runs_nothing_and_names_what_score_runs(sco
     scorer = fresh(scorers("qwen3_qknorm"))
     vocab = scorer.config.vocab_size
     query, items = random_tokens(rng, 40, vocab), [random_tokens(rng, 6, vocab) for _ in range(9)]
-    for name in selection.CANDIDATES:
+    for name in registry.candidates():
         scorer.get_backend(name)  # built (an empty prefix is a few device arrays), as after a call
     events = compile_events()
     plan = scorer.plan(query, items, [1, 2], apply_softmax=True, backend="serial")
     assert events == []
     assert len(scorer.get_backend("prefill_extend").cache) == 0  # nothing prefilled
-    assert [e.backend for e in plan.estimates] == list(selection.CANDIDATES)
+    assert [e.backend for e in plan.estimates] == registry.candidates()
     assert all(e.seconds > 0 and e.peak_bytes > 0 and e.steps > 0 for e in plan.estimates)
     assert scorer.score(query, items, [1, 2]).backend == plan.pick
+
+
+def test_auto_considers_the_registrations_that_opt_in(scorers, rng):
+    """The candidates are the registrations with auto=True: the built-in ones but the reference
+    oracle, and a user's backend that prices its steps once it opts in."""
+    assert registry.candidates() == ["prefill_extend", "packed_segment", "packed_dense", "serial"]
+
+    class Mine(SerialBackend):
+        """serial's steps, priced as one step that computes and reads nothing."""
+
+        def work(self, batches):
+            return [step_work(self.model.config, 4, rows=0, new=0, pairs=0, slots=0, peak=0)]
+
+    base = scorers("qwen3_qknorm")
+    vocab = base.config.vocab_size
+    query, items = random_tokens(rng, 9, vocab), [random_tokens(rng, 4, vocab) for _ in range(3)]
+    try:
+        registry.register("mine", Mine, options=SerialOptions, auto=True)
+        assert registry.candidates()[-1] == "mine"
+        scorer = Scorer(base.config, base.params, base.tokenizer)
+        assert scorer.plan(query, items, [1, 2]).pick == "mine"
+        got = scorer.score(query, items, [1, 2])
+        assert got.backend == "mine"
+        reference = scorer.score(query, items, [1, 2], backend="reference")
+        np.testing.assert_allclose(got.logprobs, reference.logprobs, atol=ATOL, rtol=0)
+        registry.register("mine", Mine, options=SerialOptions)  # registered again, not opted in
+        plan = scorer.plan(query, items, [1, 2])
+        assert "mine" not in [e.backend for e in plan.estimates] and plan.pick != "mine"
+    finally:
+        registry.register("mine", Mine, options=SerialOptions)  # out of later tests' candidates
 
 
 def test_a_users_selector_decides_what_auto_runs(scorers):
@@ -137,10 +170,46 @@ def test_plan_sees_the_prefix_cache(scorers, rng):
     assert warm.steps < cold.steps and warm.seconds < cold.seconds
 
 
+STEPS = {  # each backend's jitted steps, reached through its instance
+    "serial": ("score_sequences",),
+    "packed_dense": ("score_packed",),
+    "prefill_extend": ("prefill", "prefill_rows", "score_items", "score_mixed_items"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(STEPS))
+def test_work_prices_the_steps_that_run(scorers, rng, backend):
+    """`work` prices the plan `score_groups` runs, step for step: here with a partial prefix-cache
+    hit, several queries, and a tight budget that splits them into several steps."""
+    base = scorers("qwen2_bias")
+    options = {backend: {"activation_bytes": 1 << 20}}
+    if backend == "prefill_extend":
+        options[backend] |= {"prefill_chunk": 16, "prefix_cache_bytes": 1 << 20}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    vocab = scorer.config.vocab_size
+    shared = random_tokens(rng, 30, vocab)
+    scorer.score(shared[:20], [[1]], [1], backend=backend)  # a prefix of the first query, cached
+    batches = [
+        make_batch(query, [random_tokens(rng, int(n), vocab) for n in lens], [1, 2], False)
+        for query, lens in (
+            (shared, rng.integers(1, 9, size=12)),
+            (random_tokens(rng, 45, vocab), rng.integers(1, 9, size=5)),
+            (random_tokens(rng, 7, vocab), rng.integers(1, 9, size=3)),
+        )
+    ]
+    runner, ran = scorer.get_backend(backend), []
+    for name in STEPS[backend]:
+        step = getattr(runner, name)
+        setattr(runner, name, lambda *a, _step=step, **k: ran.append(1) or _step(*a, **k))
+    priced = runner.work(batches)
+    runner.score_groups(batches)
+    assert len(priced) == len(ran) >= len(batches)
+
+
 def test_a_step_that_cannot_fit_the_device_is_refused(scorers, rng, monkeypatch):
     scorer = fresh(scorers("qwen2_bias"))
     vocab = scorer.config.vocab_size
-    monkeypatch.setattr(costs, "device_capacity", lambda: 1000)
+    monkeypatch.setattr(budgets, "device_capacity", lambda: 1000)
     for backend in ("auto", "serial", "packed_dense", "prefill_extend"):
         with pytest.raises(ValidationError) as e:
             scorer.score(random_tokens(rng, 20, vocab), [random_tokens(rng, 5, vocab)], [1],

@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_gguf import _tiny_gguf
 
+from test_gguf import _tiny_gguf
 from tpuscore.models import loaders
 from tpuscore.models.loaders import weight_cache
 

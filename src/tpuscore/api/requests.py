@@ -8,18 +8,22 @@ the server's wire schemas all take their option names, defaults and documentatio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import attrs
 
 from tpuscore.api.errors import ValidationError
 
-TRUNCATE_SIDES = ("right", "left")  # right keeps an item's first tokens, left its last
+Truncate = Literal["right", "left"]  # right keeps an item's first tokens, left its last
+TRUNCATE_SIDES = get_args(Truncate)
 
 
 @attrs.frozen(kw_only=True)
 class ScoreOptions:
     """A score request's options, as `Scorer.score` and every other entry point take them.
+
+    The annotations are the options' types on the wire (the server's schema reads them); values
+    are not checked here but by `tpuscore.api.validation`, which gives each its error code.
 
     Attributes:
         label_token_ids: the labels as token ids; or give `labels`. Neither for a
@@ -36,13 +40,13 @@ class ScoreOptions:
         truncate: "right" keeps an item's first max_item_tokens tokens, "left" its last.
     """
 
-    label_token_ids: Any = None
-    labels: Any = None
-    apply_softmax: Any = False
-    item_first: Any = False
-    item_suffix: Any = None
-    max_item_tokens: Any = None
-    truncate: Any = "right"
+    label_token_ids: list[int] | None = None
+    labels: list[str] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    item_suffix: str | list[int] | None = None
+    max_item_tokens: int | None = None
+    truncate: Truncate = "right"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -17,13 +17,7 @@ import tokenizers
 
 from tpuscore.api import tokenization
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import (
-    SCORE_ARGUMENTS,
-    TRUNCATE_SIDES,
-    LoglikelihoodRequest,
-    ScoreOptions,
-    ScoreRequest,
-)
+from tpuscore.api.requests import TRUNCATE_SIDES, LoglikelihoodRequest, ScoreOptions, ScoreRequest
 
 
 def _is_token_list(value: Any) -> bool:
@@ -442,22 +436,22 @@ def validate_loglikelihood(
     return LoglikelihoodRequest(context_ids, continuation_ids)
 
 
-def batch_request(request: Any, where: str) -> dict[str, Any]:
-    """A `score_batch` request as `score`'s keyword arguments, checked against SCORE_ARGUMENTS."""
+def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any, ScoreOptions]:
+    """A score request given as a mapping (a `score_batch` request, a CLI request object): its
+    query, items and `ScoreOptions`. Not a mapping, an unknown name or a missing query or items
+    is `invalid_argument`, located inside `where` (e.g. "requests[3]") when given."""
+    prefix = f"{where}." if where else ""
     if not isinstance(request, Mapping):
         raise ValidationError(
             "invalid_argument",
-            f"{where} must be a mapping of score() arguments, got {type(request).__name__}",
+            f"{where or 'a request'} must be a mapping of score() arguments, "
+            f"got {type(request).__name__}",
             where,
         )
-    unknown = sorted(set(request) - set(SCORE_ARGUMENTS), key=str)
-    if unknown:
-        raise ValidationError(
-            "invalid_argument",
-            f"{where} has unknown argument(s) {unknown}; allowed: {', '.join(SCORE_ARGUMENTS)}",
-            f"{where}.{unknown[0]}",
-        )
-    for name in SCORE_ARGUMENTS[:2]:
+    rest = {k: v for k, v in request.items() if k not in ("query", "items")}
+    options = ScoreOptions.from_mapping(rest, where)
+    for name in ("query", "items"):
         if name not in request:
-            raise ValidationError("invalid_argument", f"{where} has no {name!r}", f"{where}.{name}")
-    return dict(request)
+            what = where or "the request"
+            raise ValidationError("invalid_argument", f"{what} has no {name!r}", prefix + name)
+    return request["query"], request["items"], options

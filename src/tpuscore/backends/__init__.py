@@ -27,17 +27,25 @@ from tpuscore.backends.registry import (
 from tpuscore.backends.serial import SerialBackend, SerialOptions
 
 # The query must come first to be a shared prefix, so only serial and reference put items first.
-register("prefill_extend", PrefillExtendBackend, options=PrefillExtendOptions, item_first=False)
-register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False)
+# Registration order is auto's order of candidates (and so breaks its ties).
+register(
+    "prefill_extend",
+    PrefillExtendBackend,
+    options=PrefillExtendOptions,
+    item_first=False,
+    auto=True,
+)
 register(
     "packed_segment",
     PackedSegmentBackend,
     options=PackedSegmentOptions,
     item_first=False,
     compiled_on={"tpu", "gpu"},  # a Mosaic TPU and a Triton kernel; on CPU, interpret mode
+    auto=True,
 )
-register("serial", SerialBackend, options=SerialOptions)
-register("reference", ReferenceBackend)
+register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False, auto=True)
+register("serial", SerialBackend, options=SerialOptions, auto=True)
+register("reference", ReferenceBackend)  # the oracle: never auto's pick
 
 __all__ = [
     "AUTO",

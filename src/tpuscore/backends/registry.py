@@ -51,10 +51,12 @@ BackendFactory = Callable[[Any, Any], Backend]
 class Capabilities:
     """What a backend can do. item_first: it can score items placed before the query.
     compiled_on: the platforms where it runs compiled code; elsewhere it runs in Pallas interpret
-    mode (right, but slow, and never picked by auto)."""
+    mode (right, but slow, and never picked by auto). auto: "auto" may pick it, pricing its steps
+    (`work`) against the other candidates'."""
 
     item_first: bool = True
     compiled_on: frozenset[str] = PLATFORMS
+    auto: bool = False
 
     def compiled(self, platform: str) -> bool:
         return platform in self.compiled_on
@@ -78,6 +80,7 @@ def register(
     options: type | None = None,
     item_first: bool = True,
     compiled_on: frozenset[str] | set[str] = PLATFORMS,
+    auto: bool = False,
 ) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it.
 
@@ -92,6 +95,9 @@ def register(
         item_first: whether it can score `item_first=True` requests; if not, they are refused
             with `ValidationError(code="unsupported_option")` before they reach it.
         compiled_on: platforms ("cpu", "gpu", "tpu") where it runs compiled code.
+        auto: whether "auto" may pick it. Its instances must then price the steps they would run
+            (`work(batches) -> list[StepWork]`, with `peak_budget`, as `budgets.Budgeted`
+            backends have), which `engine/selection.py` compares with the other candidates'.
 
     Raises:
         ValueError: a bad name, options class or platform. TypeError: a factory that is not
@@ -107,7 +113,7 @@ def register(
         raise ValueError(f"options for backend {name!r} must be a dataclass, got {options!r}")
     if not set(compiled_on) <= PLATFORMS:
         raise ValueError(f"compiled_on must be a subset of {sorted(PLATFORMS)}, got {compiled_on}")
-    capabilities = Capabilities(bool(item_first), frozenset(compiled_on))
+    capabilities = Capabilities(bool(item_first), frozenset(compiled_on), bool(auto))
     _REGISTRY[name] = Registration(name, factory, options, capabilities)
 
 
@@ -118,6 +124,11 @@ def available() -> list[str]:
 
 def registration(name: str) -> Registration:
     return _REGISTRY[name]
+
+
+def candidates() -> list[str]:
+    """The backends "auto" may pick, in registration order (which breaks ties in time)."""
+    return [name for name, reg in _REGISTRY.items() if reg.capabilities.auto]
 
 
 def backend_name(name: Any) -> str:

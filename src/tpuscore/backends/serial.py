@@ -9,14 +9,16 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.api.errors import check_int
-from tpuscore.backends import costs
-from tpuscore.backends.buckets import bucket_tokens
-from tpuscore.backends.contract import BackendOutput, ScoreBatch
+from tpuscore.backends import budgets, work
+from tpuscore.backends.buckets import bucket_tokens, pow2_floor
+from tpuscore.backends.budgets import Budgeted
+from tpuscore.backends.contract import BackendOutput, GroupsOutputBuilder, ScoreBatch
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -65,69 +67,102 @@ def score_sequences(
     return decoder.label_logprobs(params, config, last, label_ids)
 
 
-class SerialBackend(costs.Budgeted):
-    estimate = "serial"
+def serial_row_bytes(config: ModelConfig, length: int) -> int:
+    """One serial sequence: its layer memory under a dense causal mask, and its float32 logits
+    and log-softmax at the scored position."""
+    layer = length * work.activation_bytes_per_token(config) + work.dense_attention_bytes(
+        config, length
+    )
+    return layer + work.logits_bytes(config, 1)
+
+
+def serial_batch_rows(
+    config: ModelConfig, length: int, budget: int, max_batch_tokens: int, max_rows: int
+) -> int:
+    """Sequences per serial step: a power of two (so chunks reuse count buckets) whose memory
+    fits the budget, with at most max_batch_tokens tokens (at least 1)."""
+    fits = budget // serial_row_bytes(config, length)
+    return pow2_floor(min(max_rows, max_batch_tokens // length, fits))
+
+
+@attrs.frozen
+class SerialStep:
+    """One device step: items [start, stop) of group `group`, each padded to `length` tokens, in
+    `rows` rows (the items and padding rows to fill the mesh)."""
+
+    group: int
+    start: int
+    stop: int
+    length: int
+    rows: int
+
+
+class SerialBackend(Budgeted):
+    score_sequences = staticmethod(score_sequences)  # the jitted step: a seam for tests
 
     def __init__(self, model: Model, options: SerialOptions):
         self.model = model
         self.max_batch_tokens = options.max_batch_tokens or 8192
-        self.activation_bytes = options.activation_bytes or costs.activation_budget()
+        self.activation_bytes = options.activation_bytes or budgets.activation_budget()
 
-    def plan(self, batch: ScoreBatch) -> tuple[int, int]:
-        """(padded length, sequences per step) for this batch: every sequence padded to the
-        longest one's bucket, as many per step as fit the budget on each device."""
-        T = bucket_tokens(int(batch.sequence_lens.max(initial=1)))
-        per_device = costs.serial_batch_rows(
-            self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
-        )
-        return T, per_device * self.model.layout.data
-
-    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
-        """What each step of `score` on these batches would do (for `selection.py`)."""
-        layout, config = self.model.layout, self.model.config
-        steps = []
-        for batch in batches:
-            T, rows = self.plan(batch)
+    def schedule(self, batches: Sequence[ScoreBatch]) -> list[SerialStep]:
+        """The steps that score these groups, one group at a time: every sequence of a group
+        padded to its longest one's bucket, as many per step as fit the budget on each device."""
+        layout, steps = self.model.layout, []
+        for g, batch in enumerate(batches):
+            T = bucket_tokens(int(batch.sequence_lens.max(initial=1)))
+            per_device = serial_batch_rows(
+                self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
+            )
+            rows = per_device * layout.data
             for start in range(0, batch.num_items, rows):
-                padded = layout.rows(min(rows, batch.num_items - start))
-                peak = padded // layout.data * costs.serial_row_bytes(config, T)
-                pairs = padded * T * T  # the causal mask is applied to a dense [T, T]
-                steps.append(
-                    costs.step_work(
-                        config,
-                        self.model.dtype.itemsize,
-                        rows=padded,
-                        new=T,
-                        pairs=pairs,
-                        slots=1,
-                        peak=peak,
-                    )
-                )
+                stop = min(start + rows, batch.num_items)
+                steps.append(SerialStep(g, start, stop, T, layout.rows(stop - start)))
         return steps
 
-    def score(self, batch: ScoreBatch) -> BackendOutput:
-        n = batch.num_items
-        lens = batch.sequence_lens
-        out = BackendOutput.for_batch(batch)
-        layout = self.model.layout
-        T, rows = self.plan(batch)
-        for start in range(0, n, rows):
-            stop = min(start + rows, n)
-            tokens = np.zeros((layout.rows(stop - start), T), np.int32)
-            for row, i in enumerate(range(start, stop)):
-                seq = batch.sequence(i)
-                tokens[row, : len(seq)] = seq
-            lengths = np.zeros(tokens.shape[0], np.int32)
-            lengths[: stop - start] = lens[start:stop]
-            out.step("score_sequences", (*tokens.shape, len(batch.label_ids)), int(lengths.sum()))
-            out.scores(
-                np.arange(start, stop),
-                score_sequences(
-                    self.model.params,
-                    layout.put_rows(tokens),
-                    layout.put_rows(lengths),
-                    batch.label_ids,
-                    config=self.model.config,
-                ),
+    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
+        """What each step of `schedule(batches)` does (for `selection.py`)."""
+        config, data = self.model.config, self.model.layout.data
+        return [
+            work.step_work(
+                config,
+                self.model.dtype.itemsize,
+                rows=step.rows,
+                new=step.length,
+                pairs=step.rows * step.length * step.length,  # the causal mask on a dense [T, T]
+                slots=1,
+                peak=step.rows // data * serial_row_bytes(config, step.length),
             )
+            for step in self.schedule(batches)
+        ]
+
+    def score(self, batch: ScoreBatch) -> BackendOutput:
+        return self.score_groups([batch])[0]
+
+    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+        out = BackendOutput.for_groups(batches)
+        for step in self.schedule(batches):
+            self._run(step, batches[step.group], out)
         return out.build()
+
+    def _run(self, step: SerialStep, batch: ScoreBatch, out: GroupsOutputBuilder) -> None:
+        layout, n = self.model.layout, step.stop - step.start
+        tokens = np.zeros((step.rows, step.length), np.int32)
+        for row, i in enumerate(range(step.start, step.stop)):
+            seq = batch.sequence(i)
+            tokens[row, : len(seq)] = seq
+        lengths = np.zeros(step.rows, np.int32)
+        lengths[:n] = batch.sequence_lens[step.start : step.stop]
+        shape = (*tokens.shape, len(batch.label_ids))
+        out.step("score_sequences", shape, {step.group: int(lengths.sum())})
+        out.scores(
+            step.group,
+            np.arange(step.start, step.stop),
+            self.score_sequences(
+                self.model.params,
+                layout.put_rows(tokens),
+                layout.put_rows(lengths),
+                batch.label_ids,
+                config=self.model.config,
+            ),
+        )

@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     scorer = Scorer.from_pretrained(args.model, dtype=args.dtype)
     platform_name = jax.default_backend()
     compiled = [
-        n for n in selection.CANDIDATES
+        n for n in registry.candidates()
         if registry.registration(n).capabilities.compiled(platform_name)
     ]  # fmt: skip
-    interpreted = [n for n in selection.CANDIDATES if n not in compiled]
+    interpreted = [n for n in registry.candidates() if n not in compiled]
 
     measured = {geometry: measure(scorer, compiled, geometry) for geometry in GRID}
     fit_points, check_points = GRID[::2], GRID[1::2]

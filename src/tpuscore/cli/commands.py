@@ -1,4 +1,4 @@
-"""The `tpuscore` command: score, rank and loglikelihood over JSON; serve; bench.
+"""The `tpuscore` command: score, rank and loglikelihood over JSON; serve; bench; calibrate.
 
     echo '{"query": "The capital of France is", "items": [""], "labels": [" Paris"]}' \\
         | tpuscore score
@@ -7,12 +7,14 @@
     tpuscore loglikelihood questions.jsonl
     tpuscore serve --port 8000
     tpuscore bench
+    tpuscore calibrate --out my-device.json
 
 Input is read from a file, or from stdin when the file is "-" or left out. It is JSON, one
 request object or a list of them, or JSON Lines, one request object per line. A request object
 holds the keyword arguments of the matching Python method (`Scorer.score`, `Scorer.rank`,
-`Scorer.loglikelihood`). Output is JSON on stdout: one result object for one request object, a
-list for a list, one result per line for JSON Lines.
+`Scorer.loglikelihood`); a score request's are query, items and `ScoreOptions`' fields. Output
+is JSON on stdout: one result object for one request object, a list for a list, one result per
+line for JSON Lines.
 
 Every request is checked before any runs, and no result is written unless all succeed. Bad
 input (a missing file, malformed JSON, an unknown field, a `ValidationError`) prints one line on
@@ -23,6 +25,7 @@ loaded does too. Status 1 means an environment problem: a missing extra, or no b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import logging
@@ -35,6 +38,10 @@ from typing import Any
 
 import attrs
 import numpy as np
+
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
 
 USAGE_ERROR = 2  # bad input or arguments, as argparse exits
 ENVIRONMENT_ERROR = 1  # what the command needs is not installed
@@ -50,7 +57,14 @@ class EnvironmentProblem(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "calibrate":  # its own flags and --help: `tpuscore.cli.calibrate`
+        from tpuscore.cli import calibrate
+
+        return calibrate.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
@@ -153,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="every geometry, not the quick mode")
     p.add_argument("--script", type=Path, help="the bench.py to run (default: the checkout's)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to bench.py")
+
+    help = "fit a device profile for auto on this machine (tpuscore calibrate --help)"
+    p = sub.add_parser("calibrate", add_help=False, help=help, description=help)
+    p.set_defaults(command="calibrate", log_level="warning")
     return parser
 
 
@@ -274,12 +292,12 @@ def _run_requests(args: argparse.Namespace) -> int:
 
 def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
     """All requests validated first, then run together: requests sharing a query share work."""
-    from tpuscore import ValidationError
 
-    prepared = [
-        _call(request, scorer.prepare, skip={"backend"}, what="Scorer.score")
-        for request in requests
-    ]
+    def prepare(**fields: Any):
+        query, items, options = validation.request_arguments(fields)
+        return scorer.engine.prepare(query, items, options)
+
+    prepared = [_call(request, prepare, SCORE_ARGUMENTS, "Scorer.score") for request in requests]
     try:
         results = scorer.run(prepared)
     except ValidationError as e:  # a backend that cannot run these requests
@@ -296,17 +314,19 @@ def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
 
 
 def _rank(scorer, requests: list[Request]) -> list[dict[str, Any]]:
+    accepted = (*_parameters(scorer.rank), *ScoreOptions.names())
     outputs = []
     for request in requests:
-        ranked = _call(request, scorer.rank, skip=set(), what="Scorer.rank")
+        ranked = _call(request, scorer.rank, accepted, "Scorer.rank")
         outputs.append({"results": [_jsonable(item) for item in ranked]})
     return outputs
 
 
 def _loglikelihood(scorer, requests: list[Request]) -> list[dict[str, Any]]:
+    accepted = _parameters(scorer.loglikelihood)
     outputs = []
     for request in requests:
-        results = _call(request, scorer.loglikelihood, skip=set(), what="Scorer.loglikelihood")
+        results = _call(request, scorer.loglikelihood, accepted, "Scorer.loglikelihood")
         outputs.append({"results": [_jsonable(r) for r in results]})
     return outputs
 
@@ -314,22 +334,32 @@ def _loglikelihood(scorer, requests: list[Request]) -> list[dict[str, Any]]:
 COMMANDS = {"score": _score, "rank": _rank, "loglikelihood": _loglikelihood}
 
 
-def _call(request: Request, method: Callable[..., Any], *, skip: set[str], what: str) -> Any:
-    """method(**request.fields), with unknown fields and ValidationError reported as bad input."""
-    from tpuscore import ValidationError
+def _parameters(method: Callable[..., Any]) -> tuple[str, ...]:
+    """A method's named parameters (not its **options)."""
+    kinds = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return tuple(n for n, p in inspect.signature(method).parameters.items() if p.kind not in kinds)
 
-    accepted = [p for p in inspect.signature(method).parameters if p not in skip]
+
+def _call(request: Request, method: Callable[..., Any], accepted: Sequence[str], what: str) -> Any:
+    """method(**request.fields): an unknown field, a missing required one and a ValidationError
+    are bad input."""
     unknown = sorted(set(request.fields) - set(accepted))
     if unknown:
         raise InputError(
             f"{request.where}: unknown field {unknown[0]!r}; {what} takes {', '.join(accepted)}"
         )
+    required = [
+        name
+        for name, p in inspect.signature(method).parameters.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     try:
+        for name in required:
+            if name not in request.fields:
+                raise ValidationError("invalid_argument", f"the request has no {name!r}", name)
         return method(**request.fields)
     except ValidationError as e:
         raise InputError(f"{request.where}: {_validation_message(e)}") from None
-    except TypeError as e:  # a required field left out
-        raise InputError(f"{request.where}: {e}") from None
 
 
 def _validation_message(e: Exception) -> str:
@@ -369,6 +399,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ) from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
     scorer = load_scorer(args)
     batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
     if args.max_pending is not None:
@@ -393,6 +424,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """EnvironmentProblem if `port` on `host` cannot be bound (taken, or not this machine's)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise EnvironmentProblem(
+                f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --port "
+                "(or stop what holds it)"
+            ) from None
+
+
 def bench_script() -> Path | None:
     """benchmarks/bench.py of the source checkout tpuscore runs from, if it is one."""
     import tpuscore
@@ -412,6 +459,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise EnvironmentProblem(
             "tpuscore bench runs benchmarks/bench.py, which ships with the source repository and "
             "not in the wheel: run it from a checkout, or pass --script path/to/bench.py"
+        )
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EnvironmentProblem(
+            f"tpuscore bench times transformers as its baseline, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install torch "
+            "transformers (a CPU build of torch is enough), or pip install -e '.[dev]' in a "
+            "checkout"
         )
     command = [sys.executable, str(script)]
     if not args.full:

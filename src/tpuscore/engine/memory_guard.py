@@ -1,8 +1,9 @@
 """The last line against running out of device memory.
 
-Backends size their steps to their memory estimates (`costs.py`), but an estimate can be short of
-what XLA really allocates. When a backend call still fails with RESOURCE_EXHAUSTED, its safety
-factor doubles (for the rest of the process) until its plan has more, smaller steps, and the call
+Backends size their steps to their memory estimates (`backends/budgets.py`), but an estimate can
+be short of what XLA really allocates. When a backend call still fails with RESOURCE_EXHAUSTED,
+the safety factor of that backend instance doubles (for the rest of its life: its scorer's pool
+holds it, so other scorers keep theirs) until its plan has more, smaller steps, and the call
 runs again from the start: halved rows or chunks, down to one item per step. Nothing of the failed
 call is kept, so the scores are those of a call that never failed. A backend whose plan cannot
 shrink further (or that has no estimates) re-raises the error.
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 
 import jax
 
-from tpuscore.backends import costs, registry
+from tpuscore.backends import registry
+from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
 
 logger = logging.getLogger(__name__)
@@ -40,18 +42,18 @@ def score_groups(
                 raise
             logger.warning(
                 "%s ran out of device memory (%s); retrying with its steps sized to 1/%g of its "
-                "budget", name, str(error).splitlines()[0], costs.safety_factor(backend.estimate),
+                "budget", name, str(error).splitlines()[0], backend.safety,
             )  # fmt: skip
 
 
 def _shrink(backend: registry.Backend, batches: Sequence[ScoreBatch]) -> bool:
     """Grow the backend's safety factor until its plan for these batches has more steps;
     False if it cannot (no estimates, or MAX_HALVINGS did not)."""
-    if not isinstance(backend, costs.Budgeted):
+    if not isinstance(backend, Budgeted):
         return False
     steps = len(backend.work(batches))
     for _ in range(MAX_HALVINGS):
-        costs.grow_safety(backend.estimate)
+        backend.grow_safety()
         if len(backend.work(batches)) > steps:
             return True
     return False

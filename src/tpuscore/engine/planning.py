@@ -15,8 +15,8 @@ from typing import Protocol
 import attrs
 import numpy as np
 
+from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
-from tpuscore.api.validation import ScoreRequest
 from tpuscore.backends import registry
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, make_batch
 from tpuscore.backends.pool import BackendPool

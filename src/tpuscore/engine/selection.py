@@ -1,7 +1,9 @@
 """Selection: what "auto" runs, by each built-in backend's estimated time and peak memory.
 
-Every built-in backend describes the steps it would run for a call (`work(batches)`: its own
-bucketing, chunking, batching and prefix-cache hits) as `costs.StepWork`. A device profile
+The candidates are the backends registered with `auto=True` (`registry.candidates()`: the
+built-in ones but reference, and any a user opts in). Each describes the steps it would run for a
+call (`work(batches)`: its own bucketing, chunking, batching and prefix-cache hits, priced from
+the same plan it runs) as `work.StepWork`. A device profile
 (`tpuscore.engine.profiles`) prices each step:
 
     seconds = step_seconds + flops / matmul rate + bytes / bandwidth + scores * score_seconds
@@ -22,15 +24,13 @@ import attrs
 import jax
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.backends import costs, registry
+from tpuscore.backends import budgets, registry, work
 from tpuscore.backends.contract import ScoreBatch
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine.profiles import DeviceProfile, for_device
 from tpuscore.models.model import Model
 
 logger = logging.getLogger(__name__)
-
-CANDIDATES = ("prefill_extend", "packed_segment", "packed_dense", "serial")
 
 
 @attrs.frozen
@@ -53,7 +53,7 @@ class Estimate:
 
 @attrs.frozen
 class Plan:
-    """What `Scorer.plan` returns: every built-in backend's estimate, and `pick`, the backend
+    """What `Scorer.plan` returns: every candidate backend's estimate, and `pick`, the backend
     auto runs."""
 
     pick: str
@@ -83,7 +83,7 @@ class CostModel:
         those auto may pick), and the pick."""
         item_first = any(b.item_first for b in batches)
         estimates = []
-        for name in CANDIDATES:
+        for name in registry.candidates():
             capabilities = registry.registration(name).capabilities
             eligible = capabilities.compiled(self.platform) and (
                 capabilities.item_first or not item_first
@@ -123,7 +123,7 @@ class CostModel:
             eligible=eligible,
         )
 
-    def seconds(self, steps: Sequence[costs.StepWork], model: Model) -> float:
+    def seconds(self, steps: Sequence[work.StepWork], model: Model) -> float:
         """The steps' time on the model's devices: the work divides over the mesh (weights,
         and so their bytes, over its "model" axis only)."""
         p, layout = self.profile, model.layout
@@ -136,11 +136,11 @@ class CostModel:
 
 def check_fits(name: str, backend: registry.Backend, batches: Sequence[ScoreBatch]) -> None:
     """ValidationError("sequence_too_long") if the backend's largest step for these groups
-    cannot fit the device's free memory (only backends with estimates, `costs.Budgeted`)."""
-    if not isinstance(backend, costs.Budgeted):
+    cannot fit the device's free memory (only backends with estimates, `budgets.Budgeted`)."""
+    if not isinstance(backend, budgets.Budgeted):
         return
     peak = max((s.peak for s in backend.work(batches)), default=0)
-    capacity = costs.device_capacity()
+    capacity = budgets.device_capacity()
     if peak > capacity:
         raise ValidationError(
             "sequence_too_long",

@@ -21,7 +21,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore.api.validation import ScoreRequest, ValidationError
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import planning
 
@@ -61,7 +62,7 @@ def check_geometry(geometry: Any, where: str) -> tuple[int, int, int]:
 
 def warm(
     pool: BackendPool,
-    prepare: Callable[..., ScoreRequest],
+    prepare: Callable[[Any, Any, ScoreOptions], ScoreRequest],
     selector: planning.Selector,
     backends: Sequence[str],
     geometries: Iterable[Any],
@@ -81,7 +82,7 @@ def warm(
         items = ids[query_len:].reshape(count, item_len).tolist()
         try:
             labels = None if pool.model.config.classifier else [0]  # a classifier takes none
-            request = prepare(ids[:query_len].tolist(), items, label_token_ids=labels)
+            request = prepare(ids[:query_len].tolist(), items, ScoreOptions(label_token_ids=labels))
         except ValidationError as e:
             raise e.within(where) from None
         requests.append(((query_len, count, item_len), request))

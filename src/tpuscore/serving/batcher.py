@@ -10,8 +10,8 @@ worker thread, a future back to each caller.
         result = batcher.score(query=q, items=items, labels=[" yes", " no"])  # from any thread
         result = await batcher.score_async(query=q, items=items, labels=[" yes", " no"])
 
-A request is validated when it is submitted (`scorer.prepare`), in the caller's thread, so a bad
-input raises at its caller and never reaches a batch. The worker runs each batch as one
+A request is validated when it is submitted (as `scorer.prepare` does), in the caller's thread,
+so a bad input raises at its caller and never reaches a batch. The worker runs each batch as one
 `scorer.run` call per backend named in it; a failure there fails the requests of that call only,
 and the worker goes on with the next batch.
 """
@@ -27,9 +27,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
-from tpuscore.api.validation import ScoreRequest
 from tpuscore.backends import registry
 
 logger = logging.getLogger(__name__)
@@ -131,8 +132,9 @@ class Batcher:
         """
         self._check_open()
         backend = score_kwargs.pop("backend", None)
-        request = self.scorer.prepare(**score_kwargs)
-        name = registry.backend_name(self.scorer.default_backend if backend is None else backend)
+        query, items, options = validation.request_arguments(score_kwargs)
+        request = self.scorer.engine.prepare(query, items, options)
+        name = self.scorer.engine.backend_name(backend)
         if name != registry.AUTO:  # "auto" picks per group, at run time, a backend that can
             registry.check_capabilities(name, request.item_first)
         tokens = len(request.query) + sum(map(len, request.items))

@@ -22,6 +22,7 @@ import inspect
 import json
 import re
 import reprlib
+import typing
 from typing import Annotated, Any, Literal
 
 import attrs
@@ -29,7 +30,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidation, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tpuscore.api.requests import TRUNCATE_SIDES, ScoreOptions
+from tpuscore.api.requests import ScoreOptions
 
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
 COHERE_MAX_TOKENS_PER_DOC = 4096
@@ -41,17 +42,6 @@ FIELD_CODES = {"query": "invalid_query", "items": "invalid_items", "documents": 
 # Codes the models' own checks raise, as their pydantic error type.
 TPUSCORE_CODES = frozenset({"unknown_field", "unsupported_field", "invalid_documents"})
 
-# Wire types of the score options, for the schema (the library validates the values). An option
-# missing here is served untyped.
-OPTION_TYPES: dict[str, Any] = {
-    "label_token_ids": list[int] | None,
-    "labels": list[str] | None,
-    "apply_softmax": bool,
-    "item_first": bool,
-    "item_suffix": str | list[int] | None,
-    "max_item_tokens": int | None,
-    "truncate": Literal[TRUNCATE_SIDES],
-}
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
 # set them from the template and `max_tokens_per_doc`.
 SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
@@ -165,13 +155,13 @@ def score_option_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """`create_model` field definitions for the `ScoreOptions` options, named, defaulted and
     described as `ScoreOptions` declares them, typed for the schema only."""
     docs = _attribute_docs(ScoreOptions)
+    types = typing.get_type_hints(ScoreOptions)
     fields = {}
     for option in attrs.fields(ScoreOptions):
         if option.name in exclude:
             continue
-        wire_type = OPTION_TYPES.get(option.name, Any)
         fields[option.name] = (
-            SkipValidation[wire_type],
+            SkipValidation[types[option.name]],
             Field(default=option.default, description=docs.get(option.name)),
         )
     return fields

@@ -42,13 +42,8 @@ import numpy as np
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
-from tpuscore.backends import costs, registry
-from tpuscore.backends.buckets import pow2_floor
-from tpuscore.backends.prefill_extend.backend import (
-    MAX_BATCH_TOKENS,
-    PrefillExtendBackend,
-    bucket_item_tokens,
-)
+from tpuscore.backends import registry
+from tpuscore.backends.prefill_extend.backend import PrefillExtendBackend
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
@@ -56,7 +51,7 @@ from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import to_host
 
 if TYPE_CHECKING:
-    from tpuscore.scorer import Scorer
+    from tpuscore.engine.runner import Engine
 
 BACKEND = "prefill_extend"
 
@@ -101,9 +96,9 @@ def continuation_logprobs(
 
 
 def loglikelihood(
-    scorer: Scorer, context: Any, continuations: Any, *, backend: str | None = None
+    engine: Engine, context: Any, continuations: Any, *, backend: str | None = None
 ) -> list[LoglikelihoodResult]:
-    """`Scorer.loglikelihood`: validate, then run on the scorer's prefill_extend instance."""
+    """`Scorer.loglikelihood`: validate, then run on the engine's prefill_extend instance."""
     name = registry.backend_name(BACKEND if backend is None else backend)
     if name not in (registry.AUTO, BACKEND):
         raise ValidationError(
@@ -115,12 +110,12 @@ def loglikelihood(
     request = validation.validate_loglikelihood(
         context,
         continuations,
-        tokenizer=scorer.tokenizer,
-        vocab_size=scorer.config.vocab_size,
-        max_sequence_length=scorer.config.max_position_embeddings,
-        num_classes=scorer.config.num_labels,
+        tokenizer=engine.tokenizer,
+        vocab_size=engine.config.vocab_size,
+        max_sequence_length=engine.config.max_position_embeddings,
+        num_classes=engine.config.num_labels,
     )
-    return run(scorer.get_backend(BACKEND), request)
+    return run(engine.backends.get(BACKEND), request)
 
 
 def run(
@@ -131,10 +126,8 @@ def run(
     model = backend.model
     prefix = backend.query_prefix(np.asarray(request.context, np.int32))
     lens = np.array([len(c) for c in request.continuations], np.int64)
-    order = np.argsort(lens, kind="stable")  # similar lengths share a batch: less padding
     pending = []
-    for rows, length in _batches(lens[order], model.config, backend.activation_bytes):
-        rows = order[rows]
+    for rows, length in backend.continuation_batches(lens):
         tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
         for r, i in enumerate(rows):
             tokens[r, : lens[i]] = request.continuations[i]
@@ -154,24 +147,3 @@ def run(
                 num_tokens=n,
             )
     return results
-
-
-def _batches(sorted_lens: np.ndarray, config: ModelConfig, budget: int):
-    """Batches over length-sorted continuations: (positions in sorted order, padded length).
-
-    Rows per batch: a power of two within prefill_extend's activation estimate and within the
-    budget for the float32 [rows, length, vocab] log-probabilities (held about three times:
-    logits, log-softmax, the gather)."""
-    start, n = 0, len(sorted_lens)
-    while start < n:
-        length = bucket_item_tokens(int(sorted_lens[-1]))
-        count = min(n - start, _rows(config, length, budget))
-        length = bucket_item_tokens(int(sorted_lens[start + count - 1]))
-        yield np.arange(start, start + count), length
-        start += count
-
-
-def _rows(config: ModelConfig, length: int, budget: int) -> int:
-    extend = costs.extend_batch_rows(config, length, budget, MAX_BATCH_TOKENS)
-    vocab = pow2_floor(budget // (3 * 4 * length * config.vocab_size))
-    return min(extend, vocab)

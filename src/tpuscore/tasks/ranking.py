@@ -14,19 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.validation import check_text
 from tpuscore.engine import progress
-
-if TYPE_CHECKING:
-    from tpuscore.scorer import Scorer
+from tpuscore.engine.runner import Engine
 
 # With a progress bar, rank scores its items in pages of this many, one backend call each, so
 # the bar moves; prefill_extend's prefix cache serves the query to every page after the first.
@@ -100,19 +99,15 @@ def rank_result(
 
 
 def rank(
-    scorer: Scorer,
+    engine: Engine,
     query: Any,
     items: Any,
+    options: ScoreOptions,
     *,
-    labels: Any = None,
-    label_token_ids: Any = None,
     positive: Any = 0,
     top_k: Any = None,
     template: str | templates.Template | None = None,
     instruction: Any = None,
-    item_suffix: Any = None,
-    max_item_tokens: Any = None,
-    truncate: Any = "right",
     backend: str | None = None,
     show_progress: bool = False,
 ) -> list[RankedItem]:
@@ -120,38 +115,24 @@ def rank(
     query_text, item_texts = query, items
     if template is not None:
         tmpl = template if isinstance(template, templates.Template) else templates.get(template)
-        for name, value in (("labels", labels), ("label_token_ids", label_token_ids)):
-            if value is not None:
+        for name in ("labels", "label_token_ids", "item_suffix"):
+            if getattr(options, name) is not None:
+                what = "item suffix" if name == "item_suffix" else f"labels {list(tmpl.labels)}"
                 raise ValidationError(
                     "invalid_argument",
-                    f"template {tmpl.name!r} supplies the labels {list(tmpl.labels)}; "
-                    f"do not also give {name}",
+                    f"template {tmpl.name!r} supplies the {what}; do not also give {name}",
                     name,
                 )
-        if item_suffix is not None:
-            raise ValidationError(
-                "invalid_argument",
-                f"template {tmpl.name!r} supplies the item suffix; do not also give item_suffix",
-                "item_suffix",
-            )
         query_text, item_texts = _render(tmpl, query, items, instruction)
-        labels, item_suffix = list(tmpl.labels), tmpl.item_suffix
+        options = attrs.evolve(options, labels=list(tmpl.labels), item_suffix=tmpl.item_suffix)
     elif instruction is not None:
         raise ValidationError(
             "invalid_argument", "instruction is only used with a template", "instruction"
         )
-    request = scorer.prepare(
-        query_text,
-        item_texts,
-        label_token_ids,
-        labels=labels,
-        item_suffix=item_suffix,
-        max_item_tokens=max_item_tokens,
-        truncate=truncate,
-    )
+    request = engine.prepare(query_text, item_texts, options)
     # Checked before the model runs, not after.
     _check_rank(len(request.label_ids), positive, top_k, request.classification)
-    result = _score(scorer, request, backend, show_progress)
+    result = _score(engine, request, backend, show_progress)
     return rank_result(result, list(items), positive=positive, top_k=top_k)
 
 
@@ -185,10 +166,12 @@ def _render(
     return template.render_query(query, instruction), [template.render_item(it) for it in items]
 
 
-def _score(scorer: Scorer, request: Any, backend: str | None, show_progress: bool) -> ScoreResult:
+def _score(
+    engine: Engine, request: ScoreRequest, backend: str | None, show_progress: bool
+) -> ScoreResult:
     """The request's result; with a progress bar, page by page so the bar moves."""
     if not show_progress:
-        return scorer.run([request], backend=backend)[0]
+        return engine.run([request], backend=backend)[0]
     pages = [
         attrs.evolve(request, items=request.items[start : start + PROGRESS_PAGE_ITEMS])
         for start in range(0, len(request.items), PROGRESS_PAGE_ITEMS)
@@ -196,7 +179,7 @@ def _score(scorer: Scorer, request: Any, backend: str | None, show_progress: boo
     results = []
     with progress.bar(len(request.items), "item", enabled=True) as advance:
         for page in pages:
-            results.extend(scorer.run([page], backend=backend))
+            results.extend(engine.run([page], backend=backend))
             advance(len(page.items))
     if not results:
         return ScoreResult.empty(

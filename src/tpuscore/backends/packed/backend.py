@@ -2,15 +2,15 @@
 
 Each chunk of items is packed behind its query (`packing.py`) and runs once: query tokens are
 computed once per chunk instead of once per item. Chunks go in the batch axis, one packed row
-each, so requests with different queries share a device step (`PackedBackend.plan`). Items are
+each, so requests with different queries share a device step (`PackedBackend.schedule`). Items are
 isolated by the shared-prefix segment mask, so scores equal serial up to float rounding. The two
 backends differ only in how attention applies that mask:
 
 - packed_dense materializes it as a [T, T] mask for XLA attention: simple, O(T^2) memory, so the
   items are split into chunks whose estimated attention memory fits a budget.
 - packed_segment runs a Pallas flash-attention kernel that computes the mask per tile from O(T)
-  metadata and skips tiles the mask empties: `kernels.segment_attention` on TPU,
-  `kernels.segment_attention_gpu` (Triton) on GPUs. On CPU it runs the TPU kernel in Pallas
+  metadata and skips tiles the mask empties: `kernels.segment.tpu` on TPU,
+  `kernels.segment.gpu` (Triton) on GPUs. On CPU it runs the TPU kernel in Pallas
   interpret mode: right, but not fast.
 """
 
@@ -27,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
-from tpuscore.backends import costs
+from tpuscore.backends import budgets, work
 from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
-from tpuscore.backends.packed import packing
+from tpuscore.backends.packed import memory, packing
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
-from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention, segment_mask
+from tpuscore.kernels.segment.mask import segment_mask
+from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -149,23 +151,23 @@ class PackedStep:
     tokens: tuple[int, ...]
 
 
-class PackedBackend(costs.Budgeted):
+class PackedBackend(Budgeted):
     """What both packed backends share; subclasses say how attention applies the mask."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
     dense_mask = True
-    estimate = "packed_dense"
+    score_packed = staticmethod(score_packed)  # the jitted step: a seam for tests
 
     def __init__(self, model: Model, options: PackedOptions):
         self.model = model
-        self.activation_bytes = options.activation_bytes or costs.activation_budget()
+        self.activation_bytes = options.activation_bytes or budgets.activation_budget()
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         return self.score_groups([batch])[0]
 
     def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
         out = BackendOutput.for_groups(batches)
-        for step in self.plan(batches):
+        for step in self.schedule(batches):
             if step.length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
@@ -187,7 +189,7 @@ class PackedBackend(costs.Budgeted):
                 tokens,
             )
             put = self.model.layout.put_rows
-            logprobs = score_packed(
+            logprobs = self.score_packed(
                 self.model.params,
                 put(packed.tokens),
                 put(packed.positions),
@@ -203,7 +205,7 @@ class PackedBackend(costs.Budgeted):
                 out.scores(g, rows, logprobs, index=r)
         return out.build()
 
-    def plan(self, batches: Sequence[ScoreBatch]) -> list[PackedStep]:
+    def schedule(self, batches: Sequence[ScoreBatch]) -> list[PackedStep]:
         """The device steps that score these groups.
 
         Each group's items are split, in order, into chunks that fill the longest packed length
@@ -245,7 +247,7 @@ class PackedBackend(costs.Budgeted):
 
     def rows(self, length: int) -> int:
         """Packed rows per step at this length whose memory fits the budget on each device."""
-        per_device = costs.packed_rows(
+        per_device = memory.packed_rows(
             self.model.config, length, self.budget, MAX_STEP_TOKENS, dense_mask=self.dense_mask
         )
         return per_device * self.model.layout.data
@@ -256,7 +258,7 @@ class PackedBackend(costs.Budgeted):
         layout = self.model.layout
         slots = bucket_count(max(len(rows) for _, rows, _ in chunks))
         rows = layout.rows(len(chunks)) // layout.data
-        return costs.packed_step_bytes(
+        return memory.packed_step_bytes(
             self.model.config, rows, length, slots, dense_mask=self.dense_mask
         )
 
@@ -277,17 +279,17 @@ class PackedBackend(costs.Budgeted):
         fits, length = self.bucket(1), self.bucket(1)
         while (
             length <= MAX_PACKED_TOKENS
-            and self.memory_bytes(length) + costs.logits_bytes(config, 1) <= budget
+            and self.memory_bytes(length) + work.logits_bytes(config, 1) <= budget
         ):
             fits, length = length, self.bucket(length + 1)
         room = budget - self.memory_bytes(fits)
-        return fits, pow2_floor(room // costs.logits_bytes(config, 1))
+        return fits, pow2_floor(room // work.logits_bytes(config, 1))
 
-    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
-        """What each step of `score_groups` on these batches would do (for `selection.py`)."""
+    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
+        """What each step of `schedule(batches)` does (for `selection.py`)."""
         config, itemsize = self.model.config, self.model.dtype.itemsize
         steps = []
-        for step in self.plan(batches):
+        for step in self.schedule(batches):
             T = step.length
             chunks = [(g, rows, n) for (g, rows), n in zip(step.chunks, step.tokens, strict=True)]
             if self.block_sizes is None:  # dense: every (token, key) pair, masked or not
@@ -295,15 +297,15 @@ class PackedBackend(costs.Budgeted):
             else:  # the kernel: its visible tiles, each re-reading a K/V tile
                 bq, bkv = self.block_sizes.block_q, self.block_sizes.block_kv
                 tiles = sum(
-                    costs.segment_tiles(
+                    work.segment_tiles(
                         packing.pack(batches[g], rows, T).seg_start, batches[g].query_len, bq, bkv
                     )
                     for g, rows, _ in chunks
                 )
                 tiles += (step.rows - len(chunks)) * (T // bq)  # padding rows: their diagonal
-                pairs, kv = tiles * bq * bkv, costs.kv_bytes(config, tiles * bkv, itemsize)
+                pairs, kv = tiles * bq * bkv, work.kv_bytes(config, tiles * bkv, itemsize)
             steps.append(
-                costs.step_work(
+                work.step_work(
                     config,
                     itemsize,
                     rows=step.rows,
@@ -318,7 +320,7 @@ class PackedBackend(costs.Budgeted):
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length."""
-        return costs.packed_bytes(self.model.config, length, dense_mask=self.dense_mask)
+        return memory.packed_bytes(self.model.config, length, dense_mask=self.dense_mask)
 
 
 class PackedDenseBackend(PackedBackend):
@@ -329,7 +331,6 @@ class PackedSegmentBackend(PackedBackend):
     """packed_segment: attention by the Pallas segment kernel, which never builds the mask."""
 
     dense_mask = False
-    estimate = "packed_segment"
 
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)

@@ -1,7 +1,7 @@
 """Packed layouts: the query and several items in one sequence, each item isolated from the others.
 
 No delimiter tokens: item boundaries are known in token space. Each item's RoPE positions restart
-at the query length, and the segment mask (`kernels.segment_attention`) lets it see the query and
+at the query length, and the segment mask (`kernels.segment.mask`) lets it see the query and
 itself only, so it is scored on exactly the tokens serial scoring sees. Query [q0 q1], items
 [a0 a1], [] and [b0], bucket 8:
 

@@ -11,6 +11,9 @@ Several groups (requests with different queries) share device steps: their uncac
 prefill together, one query per row, and the items each group leaves over after filling steps of
 its own share extend steps, where each row attends to its own query's K/V gathered per row.
 A step whose rows share one query keeps the shared-prefix matmul.
+
+`schedule` plans a call as waves of groups, each with its prefill and extend steps;
+`score_groups` runs those steps and `work` prices the same ones, so what is priced is what runs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import jax
@@ -26,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.api.errors import check_int
-from tpuscore.backends import costs
-from tpuscore.backends.buckets import bucket_count, bucket_tokens
+from tpuscore.backends import budgets, work
+from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
     GroupsOutputBuilder,
     ScoreBatch,
     stack_labels,
 )
-from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
+from tpuscore.backends.prefill_extend import memory
+from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache, Reuse
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
@@ -208,15 +213,56 @@ class ExtendStep:
     rows: np.ndarray
 
 
-class PrefillExtendBackend(costs.Budgeted):
-    estimate = "prefill_extend"
+@attrs.frozen
+class PrefillRow:
+    """Tokens [start, stop) of query `query` (an index into its wave's queries)."""
+
+    query: int
+    start: int
+    stop: int
+
+
+@attrs.frozen
+class PrefillStep:
+    """One prefill step: the next chunk of each row's query, padded to `length` tokens in `rows`
+    rows (1: a lone query, prefilled in place). `base_len`: the longest prefix, in positions,
+    among the queries pending when the step was sized (what bounds its rows)."""
+
+    chunks: tuple[PrefillRow, ...]
+    length: int
+    base_len: int
+    rows: int
+
+
+@attrs.frozen
+class Wave:
+    """Groups run together (indices into the call's batches) and their steps. `queries`: their
+    distinct queries, `query_of`: each group's index into them. `ready`: each query's K/V where
+    it needs no prefill (empty, or a cache hit), else None; `reused`: for a query to prefill, the
+    cached state it continues (None: none) and how many of its tokens that holds."""
+
+    groups: list[int]
+    queries: list[np.ndarray]
+    query_of: list[int]
+    ready: list[Prefix | None]
+    reused: dict[int, tuple[Prefix | None, int]]
+    prefill: list[PrefillStep]
+    extend: list[ExtendStep]
+
+
+class PrefillExtendBackend(Budgeted):
+    # The jitted steps, reached through the instance: a seam for tests.
+    prefill = staticmethod(prefill)
+    prefill_rows = staticmethod(prefill_rows)
+    score_items = staticmethod(score_items)
+    score_mixed_items = staticmethod(score_mixed_items)
 
     def __init__(self, model: Model, options: PrefillExtendOptions):
         self.model = model
         budget = options.prefix_cache_bytes
-        self.cache = PrefixCache(costs.cache_budget() if budget is None else budget)
+        self.cache = PrefixCache(budgets.cache_budget() if budget is None else budget)
         self.batch_items = options.batch_items
-        self.activation_bytes = options.activation_bytes or costs.activation_budget()
+        self.activation_bytes = options.activation_bytes or budgets.activation_budget()
         self.prefill_chunk = options.prefill_chunk or 512
         config = model.config
         L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
@@ -230,24 +276,55 @@ class PrefillExtendBackend(costs.Budgeted):
     def score(self, batch: ScoreBatch) -> BackendOutput:
         return self.score_groups([batch])[0]
 
-    def work(self, batches: Sequence[ScoreBatch]) -> list[costs.StepWork]:
-        """What each step of `score_groups` on these batches would do (for `selection.py`), with
-        the prefix cache as it is now. Every step's peak holds the K/V of its wave's queries."""
+    def schedule(
+        self,
+        batches: Sequence[ScoreBatch],
+        read: Callable[[np.ndarray], Reuse | None] | None = None,
+    ) -> Iterator[Wave]:
+        """The waves that score these groups, each with its prefill and extend steps.
+
+        Lazy: a wave is planned when the one before it has run, so it sees what that one put in
+        the prefix cache. `read` is how the cache is consulted: `score_groups` passes
+        `cache.lookup` (which counts hits); the default, `cache.probe`, reads it without a
+        trace, for pricing (`work`), which plans every wave from the cache as it is now."""
+        read = read or self.cache.probe
+        for groups in self.waves(batches):
+            wave_batches = [batches[g] for g in groups]
+            queries, query_of = _distinct_queries(wave_batches)
+            ready, reused, prefill = self._plan_prefill(queries, read)
+            extend = self.plan_extend(wave_batches, query_of)
+            yield Wave(groups, queries, query_of, ready, reused, prefill, extend)
+
+    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
+        """What each step of `schedule(batches)` does (for `selection.py`), with the prefix cache
+        as it is now. Every step's peak holds the K/V of its wave's queries."""
         config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
         steps = []
-        for wave in self.waves(batches):
-            wave_batches = [batches[g] for g in wave]
-            queries, query_of = _distinct_queries(wave_batches)
-            held = sum(self.prefix_bytes(len(q)) for q in queries)
-            steps += self._prefill_work(queries, held)
-            for step in self.plan_extend(wave_batches, query_of):
-                rows, L = layout.rows(len(step.rows)), step.item_len
-                step_queries = {query_of[w] for w in step.groups}
-                P = max(bucket_tokens(len(queries[q])) for q in step_queries)
-                row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
-                peak = rows // layout.data * costs.extend_row_bytes(config, L, row_prefix)
+        for wave in self.schedule(batches):
+            held = sum(self.prefix_bytes(len(q)) for q in wave.queries)
+            for step in wave.prefill:
+                R, P = step.length, step.base_len
+                peak = -(-step.rows // layout.data) * memory.prefill_row_bytes(config, R, P)
                 steps.append(
-                    costs.step_work(
+                    work.step_work(
+                        config,
+                        itemsize,
+                        rows=step.rows,
+                        new=R,
+                        pairs=step.rows * R * (R + P),
+                        slots=0,
+                        peak=peak + held,
+                        kv_bytes=work.kv_bytes(config, step.rows * P, itemsize),
+                    )
+                )
+            for step in wave.extend:
+                rows, L = layout.rows(len(step.rows)), step.item_len
+                step_queries = {wave.query_of[w] for w in step.groups}
+                P = max(bucket_tokens(len(wave.queries[q])) for q in step_queries)
+                row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
+                peak = rows // layout.data * memory.extend_row_bytes(config, L, row_prefix)
+                steps.append(
+                    work.step_work(
                         config,
                         itemsize,
                         rows=rows,
@@ -255,56 +332,21 @@ class PrefillExtendBackend(costs.Budgeted):
                         pairs=rows * L * (L + P),
                         slots=1,
                         peak=peak + held,
-                        kv_bytes=costs.kv_bytes(config, P, itemsize)
+                        kv_bytes=work.kv_bytes(config, P, itemsize)
                         * (1 if row_prefix == 0 else rows),
                     )
                 )
-        return steps
-
-    def _prefill_work(self, queries: Sequence[np.ndarray], held: int) -> list[costs.StepWork]:
-        """The prefill steps `query_prefixes` would run for these queries (see there)."""
-        config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
-        pending = []  # [length, tokens done]
-        for query in queries:
-            n, hit = len(query), self.cache.peek(query)
-            if n and hit < n:
-                pending.append([n, min(hit, n - 1)])
-        steps = []
-        while pending:
-            pending.sort(key=lambda p: -min(p[0] - p[1], self.prefill_chunk))
-            chunk = min(pending[0][0] - pending[0][1], self.prefill_chunk)
-            base_len = max(bucket_tokens(done) for _, done in pending)
-            cap = self.prefill_batch_rows(bucket_tokens(chunk), base_len)
-            step, pending = pending[:cap], pending[cap:]
-            rows, R = 1 if len(step) == 1 else layout.rows(len(step)), bucket_tokens(chunk)
-            peak = -(-rows // layout.data) * costs.prefill_row_bytes(config, R, base_len)
-            steps.append(
-                costs.step_work(
-                    config,
-                    itemsize,
-                    rows=rows,
-                    new=R,
-                    pairs=rows * R * (R + base_len),
-                    slots=0,
-                    peak=peak + held,
-                    kv_bytes=costs.kv_bytes(config, rows * base_len, itemsize),
-                )
-            )
-            for p in step:
-                p[1] += min(p[0] - p[1], self.prefill_chunk)
-            pending += [p for p in step if p[1] < p[0]]
         return steps
 
     def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
         """Score several groups: their distinct queries prefilled together (cache hits skip it),
         then their items in extend steps, where items of different queries may share a step."""
         out = BackendOutput.for_groups(batches)
-        for wave in self.waves(batches):
-            queries, query_of = _distinct_queries([batches[g] for g in wave])
-            owners = [wave[query_of.index(q)] for q in range(len(queries))]
-            prefixes = self.query_prefixes(queries, out, owners)
-            for step in self.plan_extend([batches[g] for g in wave], query_of):
-                self._extend(step, wave, batches, query_of, prefixes, out)
+        for wave in self.schedule(batches, read=self.cache.lookup):
+            owners = [wave.groups[wave.query_of.index(q)] for q in range(len(wave.queries))]
+            prefixes = self._run_prefill(wave, out, owners)
+            for step in wave.extend:
+                self._extend(step, wave.groups, batches, wave.query_of, prefixes, out)
         return out.build()
 
     def _extend(self, step, wave, batches, query_of, prefixes, out) -> None:
@@ -326,7 +368,7 @@ class PrefillExtendBackend(costs.Budgeted):
         if len(step_queries) == 1:  # the shared-prefix matmul
             name = "score_items"
             shape = (*items.shape, labels.shape[-1])
-            logprobs = score_items(
+            logprobs = self.score_items(
                 self.model.params,
                 prefixes[step_queries[0]],
                 layout.put_rows(items),
@@ -345,7 +387,7 @@ class PrefillExtendBackend(costs.Budgeted):
             query_index = np.zeros(items.shape[0], np.int32)
             query_index[:n] = [step_queries.index(query_of[w]) for w in step.groups]
             shape = (*items.shape, *stacked.k.shape[1:2], stacked.k.shape[-1], labels.shape[-1])
-            logprobs = score_mixed_items(
+            logprobs = self.score_mixed_items(
                 self.model.params,
                 stacked,
                 *map(layout.put_rows, (query_index, items, item_lens, labels)),
@@ -388,10 +430,8 @@ class PrefillExtendBackend(costs.Budgeted):
 
     def prefix_bytes(self, query_len: int) -> int:
         """Bytes of one query's K/V (and last hidden state) as the cache holds it."""
-        config = self.model.config
-        positions = bucket_tokens(query_len)
-        kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * positions
-        return kv * self.model.dtype.itemsize + 4 * config.hidden_size
+        config, itemsize = self.model.config, self.model.dtype.itemsize
+        return work.kv_bytes(config, bucket_tokens(query_len), itemsize) + 4 * config.hidden_size
 
     def plan_extend(self, batches: Sequence[ScoreBatch], query_of: list[int]) -> list[ExtendStep]:
         """The extend steps that score these groups' items (query_of: each group's query).
@@ -426,83 +466,128 @@ class PrefillExtendBackend(costs.Budgeted):
 
     def query_prefix(self, query: np.ndarray) -> Prefix:
         """One query's K/V, from the cache or prefilled, with no output to count steps in (for
-        other workloads on this machinery, such as `loglikelihood`)."""
-        return self.query_prefixes([query], None, [0])[0]
+        other workloads on this machinery, such as `tasks.loglikelihood`)."""
+        ready, reused, steps = self._plan_prefill([query], self.cache.lookup)
+        wave = Wave([0], [query], [0], ready, reused, steps, [])
+        return self._run_prefill(wave, None, [0])[0]
 
-    def query_prefixes(
-        self,
-        queries: Sequence[np.ndarray],
-        out: GroupsOutputBuilder | None,
-        owners: Sequence[int],
-    ) -> list[Prefix]:
-        """Each query's K/V. Prefills nothing on a cache hit, the part past the longest cached
-        prefix on a partial hit, all of it on a miss. Queries that need prefill run together,
-        the next chunk of each in one row of a step; each prefill step is counted in `out` (if
-        given), its tokens charged to the query's owner group."""
-        prefixes: list[Prefix | None] = [None] * len(queries)
-        pending = []  # (query index, prefix so far, tokens done)
+    def continuation_batches(self, lens: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
+        """Steps of continuations of one query, each read at every position over the whole
+        vocabulary (`tasks.loglikelihood`): (indices into lens, padded length) per step.
+
+        Continuations are taken shortest first, so similar lengths share a step; rows per step:
+        a power of two within the extend estimate and within the activation budget for the
+        float32 [rows, length, vocab] log-probabilities (held about three times: logits,
+        log-softmax, the gather)."""
+        order = np.argsort(lens, kind="stable")
+        sorted_lens, config = lens[order], self.model.config
+        start, n = 0, len(sorted_lens)
+        while start < n:
+            length = bucket_item_tokens(int(sorted_lens[-1]))
+            extend = memory.extend_batch_rows(
+                config, length, self.activation_bytes, MAX_BATCH_TOKENS
+            )
+            vocab = pow2_floor(self.activation_bytes // (3 * 4 * length * config.vocab_size))
+            count = min(n - start, extend, vocab)
+            length = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+            yield order[start : start + count], length
+            start += count
+
+    def _plan_prefill(
+        self, queries: Sequence[np.ndarray], read: Callable[[np.ndarray], Reuse | None]
+    ) -> tuple[list[Prefix | None], dict[int, tuple[Prefix | None, int]], list[PrefillStep]]:
+        """The prefill steps for these queries, as `Wave` holds them: nothing on a cache hit, the
+        part past the longest cached prefix on a partial hit, all of it on a miss. Queries that
+        need prefill run together, the next chunk of each in one row of a step, longest chunks
+        first so similar lengths share a step."""
+        ready: list[Prefix | None] = [None] * len(queries)
+        reused: dict[int, tuple[Prefix | None, int]] = {}
+        pending = []  # (query index, tokens done, positions of its prefix so far)
         for i, query in enumerate(queries):
             n = len(query)
             if n == 0:
-                prefixes[i] = self._empty
+                ready[i] = self._empty
                 continue
-            reuse = self.cache.lookup(query)
+            reuse = read(query)
             if reuse is not None and reuse.exact:
-                prefixes[i] = reuse.value
+                ready[i] = reuse.value
                 continue
             # Reuse at most n - 1 tokens: the last token's hidden state is needed and not cached.
             start = 0 if reuse is None else min(reuse.length, n - 1)
-            base = self._empty if start == 0 else reuse.value._replace(length=jnp.int32(start))
-            pending.append((i, base, start))
-            logger.debug("prefilling %d of %d query tokens (%d cached)", n - start, n, start)
+            base = None if start == 0 else reuse.value
+            reused[i] = (base, start)
+            pending.append((i, start, (base or self._empty).k.shape[-1]))
+        layout, steps = self.model.layout, []
         while pending:
-            # The next chunk of every pending query, longest first: similar lengths share a step.
-            pending.sort(key=lambda p: -min(len(queries[p[0]]) - p[2], self.prefill_chunk))
-            chunk_len = min(len(queries[pending[0][0]]) - pending[0][2], self.prefill_chunk)
-            base_len = max(base.k.shape[-1] for _, base, _ in pending)
-            rows = self.prefill_batch_rows(bucket_tokens(chunk_len), base_len)
-            step, pending = pending[:rows], pending[rows:]
-            for i, prefix, start in self._prefill_step(queries, step, out, owners):
-                if start < len(queries[i]):
-                    pending.append((i, prefix, start))
+            pending.sort(key=lambda p: -min(len(queries[p[0]]) - p[1], self.prefill_chunk))
+            chunk_len = min(len(queries[pending[0][0]]) - pending[0][1], self.prefill_chunk)
+            base_len = max(size for _, _, size in pending)
+            cap = self.prefill_batch_rows(bucket_tokens(chunk_len), base_len)
+            taken, pending = pending[:cap], pending[cap:]
+            chunks = tuple(
+                PrefillRow(i, start, min(start + self.prefill_chunk, len(queries[i])))
+                for i, start, _ in taken
+            )
+            rows = 1 if len(chunks) == 1 else layout.rows(len(chunks))
+            steps.append(PrefillStep(chunks, bucket_tokens(chunk_len), base_len, rows))
+            pending += [
+                (c.query, c.stop, bucket_tokens(c.stop))
+                for c in chunks
+                if c.stop < len(queries[c.query])
+            ]
+        return ready, reused, steps
+
+    def _run_prefill(
+        self, wave: Wave, out: GroupsOutputBuilder | None, owners: Sequence[int]
+    ) -> list[Prefix]:
+        """Run a wave's prefill steps; returns each query's K/V and caches each one prefilled.
+        Each step is counted in `out` (if given), its tokens charged to the query's owner
+        group."""
+        prefixes, current = list(wave.ready), {}
+        for i, (base, start) in wave.reused.items():
+            n = len(wave.queries[i])
+            logger.debug("prefilling %d of %d query tokens (%d cached)", n - start, n, start)
+            current[i] = self._empty if base is None else base._replace(length=jnp.int32(start))
+        for step in wave.prefill:
+            advanced = self._prefill_step(wave.queries, step, current, out, owners)
+            for chunk, prefix in zip(step.chunks, advanced, strict=True):
+                i = chunk.query
+                if chunk.stop < len(wave.queries[i]):
+                    current[i] = prefix
                 else:
                     prefixes[i] = prefix = self.model.layout.put_prefix(prefix)
                     nbytes = sum(a.nbytes for a in (prefix.k, prefix.v, prefix.last_hidden))
-                    self.cache.put(queries[i], prefix, nbytes)
+                    self.cache.put(wave.queries[i], prefix, nbytes)
         return prefixes
 
-    def _prefill_step(self, queries, step, out, owners):
-        """Run the next chunk of each (query index, prefix so far, tokens done) in `step`, one row
-        each; returns them advanced."""
+    def _prefill_step(self, queries, step: PrefillStep, current, out, owners) -> list[Prefix]:
+        """Run one prefill step on the prefixes so far (`current`, by query); returns the
+        advanced prefix of each of its chunks."""
         layout = self.model.layout
-        chunks = [queries[i][start : start + self.prefill_chunk] for i, _, start in step]
-        rows = 1 if len(step) == 1 else layout.rows(len(step))
-        tokens = np.zeros((rows, bucket_tokens(max(map(len, chunks)))), np.int32)
+        chunks = [queries[c.query][c.start : c.stop] for c in step.chunks]
+        tokens = np.zeros((step.rows, step.length), np.int32)
         for r, chunk in enumerate(chunks):
             tokens[r, : len(chunk)] = chunk
-        sizes = [
-            bucket_tokens(start + len(c)) for (_, _, start), c in zip(step, chunks, strict=True)
-        ]
-        charged = {owners[i]: len(c) for (i, _, _), c in zip(step, chunks, strict=True)}
-        if len(step) == 1:  # one query: its prefix in place, as a lone request runs
-            (i, prefix, start), chunk = step[0], chunks[0]
+        sizes = [bucket_tokens(c.stop) for c in step.chunks]
+        charged = {owners[c.query]: c.stop - c.start for c in step.chunks}
+        if len(chunks) == 1:  # one query: its prefix in place, as a lone request runs
             if out is not None:
                 out.step("prefill", (tokens.shape[1], sizes[0]), charged)
-            prefix = prefill(
+            prefix = self.prefill(
                 self.model.params,
-                prefix,
+                current[step.chunks[0].query],
                 tokens,
-                np.int32(len(chunk)),
+                np.int32(len(chunks[0])),
                 config=self.model.config,
                 size=sizes[0],
             )
-            return [(i, prefix, start + len(chunk))]
+            return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
         counts[: len(chunks)] = list(map(len, chunks))
-        stacked = decoder.stack_prefixes([prefix for _, prefix, _ in step], tokens.shape[0])
+        stacked = decoder.stack_prefixes([current[c.query] for c in step.chunks], step.rows)
         if out is not None:
             out.step("prefill_rows", (*tokens.shape, stacked.k.shape[-1], max(sizes)), charged)
-        stacked = prefill_rows(
+        stacked = self.prefill_rows(
             self.model.params,
             layout.put_prefix(stacked, stacked=True),
             layout.put_rows(tokens),
@@ -510,15 +595,11 @@ class PrefillExtendBackend(costs.Budgeted):
             config=self.model.config,
             size=max(sizes),
         )
-        advanced = []
-        for r, ((i, _, start), size) in enumerate(zip(step, sizes, strict=True)):
-            prefix = _unstack(stacked, np.int32(r), size=size)
-            advanced.append((i, prefix, start + int(counts[r])))
-        return advanced
+        return [_unstack(stacked, np.int32(r), size=size) for r, size in enumerate(sizes)]
 
     def prefill_batch_rows(self, length: int, base_len: int) -> int:
         """Queries per batched prefill step at this chunk length and cached-prefix length."""
-        per_device = costs.prefill_rows(
+        per_device = memory.prefill_rows(
             self.model.config, length, base_len, self.budget, MAX_PREFILL_TOKENS
         )
         return per_device * self.model.layout.data
@@ -542,7 +623,7 @@ class PrefillExtendBackend(costs.Budgeted):
         each device at this item length (with a per-row prefix of row_prefix_len positions)."""
         if self.batch_items is not None:
             return self.batch_items
-        per_device = costs.extend_batch_rows(
+        per_device = memory.extend_batch_rows(
             self.model.config, item_len, self.budget, MAX_BATCH_TOKENS, row_prefix_len
         )
         return per_device * self.model.layout.data

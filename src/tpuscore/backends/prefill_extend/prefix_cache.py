@@ -160,30 +160,41 @@ class PrefixCache:
         """How many leading tokens of `tokens` a lookup would reuse (len(tokens) on an exact hit, 0
         on a miss), without counting a hit or a miss or touching the LRU order: a read-only probe
         for planning."""
-        key = np.asarray(tokens, np.int32).tobytes()
+        reuse = self.probe(tokens)
+        return 0 if reuse is None else reuse.length
+
+    def probe(self, tokens: np.ndarray) -> Reuse | None:
+        """What `lookup` would return now, without counting a hit or a miss or touching the LRU
+        order: for pricing a plan that a lookup would make."""
         with self._lock:
-            if key in self._entries:
-                return len(key) // TOKEN
-            return self._tree.longest_prefix(key)[0]
+            return self._find(np.asarray(tokens, np.int32))[0]
 
     def lookup(self, tokens: np.ndarray) -> Reuse | None:
         """The cached entry with the longest common prefix with tokens, or None."""
-        tokens = np.asarray(tokens, np.int32)
-        key = tokens.tobytes()
         with self._lock:
-            exact = self._entries.get(key)
-            if exact is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return Reuse(exact[0], len(tokens), exact=True)
-            length, node = self._tree.longest_prefix(key)
-            if length == 0:
+            reuse, key = self._find(np.asarray(tokens, np.int32))
+            if reuse is None:
                 self.misses += 1
                 return None
-            best = self._tree.any_key(node)
-            self._entries.move_to_end(best)
-            self.partial_hits += 1
-            return Reuse(self._entries[best][0], length, exact=False)
+            self._entries.move_to_end(key)
+            if reuse.exact:
+                self.hits += 1
+            else:
+                self.partial_hits += 1
+            return reuse
+
+    def _find(self, tokens: np.ndarray) -> tuple[Reuse | None, bytes | None]:
+        """The longest cached prefix of tokens and the key of the entry holding it. Holds no
+        lock: the caller does."""
+        key = tokens.tobytes()
+        exact = self._entries.get(key)
+        if exact is not None:
+            return Reuse(exact[0], len(tokens), exact=True), key
+        length, node = self._tree.longest_prefix(key)
+        if length == 0:
+            return None, None
+        best = self._tree.any_key(node)
+        return Reuse(self._entries[best][0], length, exact=False), best
 
     def put(self, tokens: np.ndarray, value: Any, nbytes: int) -> None:
         """Insert value for tokens, evicting least recently used entries to stay in budget. A value

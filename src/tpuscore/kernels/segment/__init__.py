@@ -1,2 +1,2 @@
-"""The segment (shared-prefix) attention kernel: a Pallas TPU kernel (`tpu.py`), a Triton GPU
-kernel (`gpu.py`), and the mask rule they share with their jnp reference."""
+"""The segment (shared-prefix) attention kernel: the mask rule, its jnp reference and the input
+checks (`mask.py`), a Pallas TPU kernel (`tpu.py`) and a Triton GPU kernel (`gpu.py`)."""

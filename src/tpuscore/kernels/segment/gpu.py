@@ -1,7 +1,7 @@
 """Shared-prefix segment attention on GPUs: the segment kernel's GPU twin, in Pallas on Triton.
 
-The same function as `segment_attention.segment_attention` (same mask rule, same O(T) metadata,
-same jnp reference as oracle), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
+The same function as `tpu.segment_attention` (the mask rule, O(T) metadata, jnp reference and
+shape checks of `mask.py`), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
 sequential grid axis with VMEM scratch accumulators and scalar prefetch, which Pallas's GPU
 lowerings do not support. Here the grid is (query tile, batch, kv head) and each program loops
 over KV tiles itself, carrying the online-softmax state in registers. The loop visits only the
@@ -31,12 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tpuscore.kernels.segment.tpu import (
+from tpuscore.kernels.segment.mask import (
     MASK_VALUE,
     NO_WINDOW,
-    _first_position,
-    _first_segment_key,
-    _softcap,
+    check_shapes,
+    first_position,
+    first_segment_key,
+    soft_cap,
+    visible_blocks,
 )
 
 
@@ -81,14 +83,13 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     seg_start = seg_ref[...]
     pos = rows - jnp.maximum(seg_start - prefix_len, 0)
     last_block = ((i + 1) * block_q - 1) // block_kv
-    # Visible tiles: the query's [prefix_from, prefix_to), then [segment_from, last_block]; never
-    # past the diagonal nor before the window (the TPU kernel's `_visible_blocks`).
-    first_query_key = jnp.maximum(first_pos - window + 1, 0)
-    prefix_to = jnp.where(
-        first_query_key < prefix_len, jnp.minimum(pl.cdiv(prefix_len, block_kv), last_block + 1), 0
+    # Visible tiles (`mask.visible_blocks`): the query's [prefix_from, prefix_to), then
+    # [segment_from, last_block]; never past the diagonal.
+    prefix_from, prefix_to, segment_lo, _ = visible_blocks(
+        i, prefix_len, first_key, first_pos, window, block_q, block_kv
     )
-    prefix_from = jnp.minimum(first_query_key // block_kv, prefix_to)
-    segment_lo = jnp.maximum(first_key, jnp.maximum(i * block_q - window + 1, 0)) // block_kv
+    prefix_to = jnp.minimum(prefix_to, last_block + 1)
+    prefix_from = jnp.minimum(prefix_from, prefix_to)
     segment_from = jnp.maximum(prefix_to, segment_lo)
     qs = [q_ref[g] for g in range(G)]
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
@@ -107,7 +108,7 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
                 q, k, (((1,), (1,)), ((), ())),
                 precision=precision, preferred_element_type=jnp.float32,
             )  # fmt: skip
-            s = jnp.where(mask, _softcap(s * scale, softcap), MASK_VALUE)
+            s = jnp.where(mask, soft_cap(s * scale, softcap), MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
             p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
             alpha = jnp.exp(m_prev - m_next)
@@ -134,33 +135,11 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     tiles_ref[...] = jnp.full(tiles_ref.shape, count, jnp.int32)
 
 
-def _check_shapes(q, k, v, prefix_len, seg_start, block_sizes: GpuBlockSizes) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, heads, tokens, head_dim], got shape {q.shape}")
-    B, N, T, H = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if x.ndim != 4 or (x.shape[0], x.shape[2], x.shape[3]) != (B, T, H):
-            raise ValueError(
-                f"{name} must be [batch={B}, kv_heads, tokens={T}, head_dim={H}], got {x.shape}"
-            )
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v kv_heads differ: {k.shape[1]} != {v.shape[1]}")
-    if N % k.shape[1]:
-        raise ValueError(f"heads={N} must be a multiple of kv_heads={k.shape[1]}")
-    if prefix_len.shape != (B,):
-        raise ValueError(f"prefix_len must be [batch={B}], got shape {prefix_len.shape}")
-    if seg_start.shape != (B, T):
-        raise ValueError(f"seg_start must be [batch={B}, tokens={T}], got {seg_start.shape}")
-    for name, block in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
-        if T % block:
-            raise ValueError(f"tokens={T} must be a multiple of {name}={block}")
-
-
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "softcap"))
 def _segment_attention_gpu(
     q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
 ):
-    _check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # on CPU there is no Triton lowering
         interpret = jax.default_backend() != "gpu"
     B, N, T, H = q.shape
@@ -174,8 +153,8 @@ def _segment_attention_gpu(
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     seg_start = seg_start.astype(jnp.int32)
     prefix_len = prefix_len.astype(jnp.int32)
-    first_key = _first_segment_key(seg_start, bq)  # [B, nq]
-    first_pos = _first_position(prefix_len, seg_start, bq)  # [B, nq]
+    first_key = first_segment_key(seg_start, bq)  # [B, nq]
+    first_pos = first_position(prefix_len, seg_start, bq)  # [B, nq]
     prefix = jnp.broadcast_to(prefix_len[:, None], (B, nq))
     window = jnp.full((B, nq), NO_WINDOW if window is None else window, jnp.int32)
     meta = jnp.stack([prefix, first_key, first_pos, window], axis=-1)  # [B, nq, 4]
@@ -223,7 +202,7 @@ def segment_attention_gpu(
 ) -> jax.Array:
     """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
     mask (prefix_len [B], seg_start [B, T]) cut to `window`, scaled and soft-capped, as
-    `kernels.segment.tpu.segment_attention` computes it.
+    `tpu.segment_attention` computes it.
 
     T must be a multiple of both block sizes. interpret defaults to True off GPU.
     """

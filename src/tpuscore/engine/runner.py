@@ -1,0 +1,157 @@
+"""The engine under the `Scorer` facade: one model, its tokenizer and backends, and the loop that
+validates requests, plans them onto backends and runs them.
+
+`Engine` holds what scales with a scorer (the backend pool with its caches, the cost model, the
+selector, the default backend), so two scorers in one process share nothing. The facade loads a
+model and hands its calls here; the tasks (`tpuscore.tasks`) build on the same methods.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import tokenizers
+
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.results import ScoreResult
+from tpuscore.backends import registry
+from tpuscore.backends.pool import BackendPool
+from tpuscore.engine import memory_guard, planning, progress, selection
+from tpuscore.engine.profiles import DeviceProfile
+from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.model import Model
+
+
+class Engine:
+    """Validates, plans and runs score requests on one model. Thread-safe.
+
+    Args:
+        model: the model on device.
+        tokenizer: its tokenizer, or None (token-id inputs only).
+        backend: the backend a call runs when it names none; "auto" lets `selector` pick.
+        backend_options: backend name -> its options (checked here, not mid-request).
+        selector: what "auto" runs for a call's groups (default the cost model).
+        profile: the device profile the cost model prices backends with (default the built-in
+            one of this device kind).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: tokenizers.Tokenizer | None,
+        *,
+        backend: str = registry.AUTO,
+        backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        selector: planning.Selector | None = None,
+        profile: DeviceProfile | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.default_backend = backend
+        self.cost_model = selection.CostModel(profile)
+        self.selector = selector or self.cost_model
+        self.backends = BackendPool(model, backend_options)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def fresh(self) -> Engine:
+        """An engine on the same model and settings with new backend instances: empty caches."""
+        engine = copy.copy(self)
+        engine.backends = self.backends.fresh()
+        return engine
+
+    def backend_name(self, backend: str | None) -> str:
+        """The registered name a call's `backend` resolves to (None: the default backend)."""
+        return registry.backend_name(self.default_backend if backend is None else backend)
+
+    def prepare(self, query: Any, items: Any, options: ScoreOptions) -> ScoreRequest:
+        """One request checked and tokenized (`validation.validate`); raises ValidationError."""
+        return validation.validate(
+            query,
+            items,
+            options,
+            tokenizer=self.tokenizer,
+            vocab_size=self.config.vocab_size,
+            max_sequence_length=self.config.max_position_embeddings,
+            num_classes=self.config.num_labels,
+            pad_token_id=self.config.pad_token_id,
+        )
+
+    def prepare_batch(self, requests: Sequence[Mapping[str, Any]]) -> list[ScoreRequest]:
+        """Every request of a `score_batch` call prepared, each error located in its request
+        ("requests[3].items"); none runs before all are checked."""
+        prepared = []
+        for i, request in enumerate(requests):
+            where = f"requests[{i}]"
+            query, items, options = validation.request_arguments(request, where)
+            try:
+                prepared.append(self.prepare(query, items, options))
+            except ValidationError as e:
+                raise e.within(where) from None
+        return prepared
+
+    def run(
+        self,
+        requests: Sequence[ScoreRequest],
+        *,
+        backend: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[ScoreResult]:
+        """Score prepared requests: grouped by query, labels and item_first, each backend called
+        once with all the groups that picked it. Every group's backend is checked before any
+        runs; on_progress, if given, gets the number of requests each backend call completes."""
+        name = self.backend_name(backend)
+        results = [
+            ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
+        ]
+        planned = planning.plan(requests, name, self.selector, self.backends)
+        if on_progress is not None:
+            on_progress(sum(not r.items for r in requests))  # nothing to run for these
+        for chosen, groups in planning.by_backend(planned).items():
+            instance = self.backends.get(chosen)
+            outputs = memory_guard.score_groups(chosen, instance, [g.batch for g in groups])
+            for group, output in zip(groups, outputs, strict=True):
+                split = planning.split(output, group, requests, chosen)
+                for i, result in zip(group.members, split, strict=True):
+                    results[i] = result
+            if on_progress is not None:
+                on_progress(sum(len(g.members) for g in groups))
+        return results
+
+    def run_batch(
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        *,
+        backend: str | None = None,
+        show_progress: bool = False,
+    ) -> list[ScoreResult]:
+        """`Scorer.score_batch`: prepare every request, then run them in one call."""
+        prepared = self.prepare_batch(requests)
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
+
+    def plan(self, request: ScoreRequest) -> selection.Plan:
+        """Every built-in backend's estimate for the request, and the pick "auto" would make
+        (the user's selector's, when one was given; the cost model estimates either way)."""
+        batches = [g.batch for g in planning.group([request])]
+        plan = self.cost_model.plan(batches, self.backends)
+        if self.selector is not self.cost_model:
+            plan = attrs.evolve(plan, pick=self.selector.select(batches, self.backends))
+        return plan
+
+    def warmup(
+        self, geometries: Sequence[Sequence[int]] | None, backends: Sequence[str] | None
+    ) -> list[Warmed]:
+        """`Scorer.warmup`: compile the steps of these geometries on these backends (default
+        `DEFAULT_GEOMETRIES` on the default backend)."""
+        names = [registry.backend_name(b) for b in backends or [self.default_backend]]
+        geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
+        return warm(self.backends, self.prepare, self.selector, names, geometries)
