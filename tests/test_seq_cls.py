@@ -118,3 +118,17 @@ def test_warmup_runs_on_a_classification_model(scorers):
 
     warmed = fresh(scorers("llama_seq_cls")).warmup([(5, 2, 3)], backends=["serial"])
     assert [w.backend for w in warmed] == ["serial"]
+
+
+def test_orbax_round_trip_keeps_the_head(scorers, tmp_path):
+    from tpuscore import Scorer
+
+    scorer = scorers("qwen2_seq_cls")
+    scorer.save(tmp_path / "ckpt")
+    restored = Scorer.from_pretrained(tmp_path / "ckpt", dtype="float32")
+    assert restored.config == scorer.config  # id2label and the rest through tpuscore.json
+    query, items = [5, 6, 7], [[8], [9, 10]]
+    np.testing.assert_array_equal(
+        restored.score(query, items, backend="serial").logprobs,
+        scorer.score(query, items, backend="serial").logprobs,
+    )
