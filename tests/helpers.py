@@ -1,6 +1,8 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
 import copy
+import os
+import zlib
 
 import numpy as np
 
@@ -43,6 +45,27 @@ def compile_events() -> list[str]:
     )
     jax.clear_caches()
     return events
+
+
+SEED_ENV = "TPUSCORE_TEST_SEED"
+
+
+def run_seed() -> int:
+    """The seed of this test run: `TPUSCORE_TEST_SEED` if set (to replay a run), else a fresh one
+    drawn once and put in the environment, so pytest-xdist workers and the subprocesses tests
+    start share it. conftest.py prints it in the header and in every failure's report."""
+    if SEED_ENV not in os.environ:
+        os.environ[SEED_ENV] = str(int.from_bytes(os.urandom(4), "little"))
+    value = os.environ[SEED_ENV]
+    if not value.isdigit():
+        raise ValueError(f"{SEED_ENV}={value!r}: a seed is a non-negative integer")
+    return int(value)
+
+
+def seeded_rng(key: str) -> np.random.Generator:
+    """Random inputs for `key` (a test's node id, a fixture's name): fresh each run, and the same
+    for the same key whenever the run's seed is replayed, whatever order or worker runs it."""
+    return np.random.default_rng([run_seed(), zlib.crc32(key.encode())])
 
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:

@@ -36,6 +36,7 @@ def run_cli(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.Com
     )
 
 
+@pytest.mark.slow  # a subprocess
 def test_score_json_lines_from_stdin_equal_the_scorer(scorers, checkpoint_dir, rng):
     scorer = scorers(CASE)
     vocab = scorer.config.vocab_size
@@ -67,6 +68,7 @@ def test_score_json_lines_from_stdin_equal_the_scorer(scorers, checkpoint_dir, r
         assert out["backend"] == expected.backend and out["num_tokens"] > 0
 
 
+@pytest.mark.slow  # a subprocess
 def test_validation_error_is_one_line_and_status_2(checkpoint_dir, tmp_path):
     path = tmp_path / "requests.json"
     path.write_text(
