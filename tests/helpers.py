@@ -20,6 +20,14 @@ QWEN3_0_6B = ModelConfig(
     num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
     max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
 )  # fmt: skip
+GEMMA2_2B = ModelConfig(  # google/gemma-2-2b's config.json, as ModelConfig.from_hf reads it
+    family="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
+    num_heads=8, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+    norm_offset=1.0, embed_scale=2304**0.5, query_pre_attn_scalar=256.0, sandwich_norms=True,
+    attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=4096,
+    local_layers=(True, False) * 13,
+)  # fmt: skip
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 

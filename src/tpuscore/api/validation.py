@@ -119,9 +119,16 @@ def validate(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    num_classes: int = 0,
+    pad_token_id: int | None = None,
 ) -> ScoreRequest:
     """Check a `Scorer.score` call (its query, items and `ScoreOptions`) and turn it into token
-    ids."""
+    ids.
+
+    num_classes > 0: the model has a classification head with that many classes; it takes no
+    labels and scores every class. pad_token_id: that model's padding token, which moves the
+    pooled token as transformers moves it (`_pooled`).
+    """
     _check_bool(options.apply_softmax, "apply_softmax")
     _check_bool(options.item_first, "item_first")
     max_item_tokens, truncate = options.max_item_tokens, options.truncate
@@ -160,7 +167,19 @@ def validate(
             )
         if item_text:
             check_text(item, f"items[{i}]")
-    label_ids = _labels(options.label_token_ids, options.labels, tokenizer, vocab_size)
+    if num_classes:
+        _no_labels(options)
+        label_ids = list(range(num_classes))
+    else:
+        if options.label_token_ids is None and options.labels is None:
+            raise ValidationError(
+                "no_classification_head",
+                "give label_token_ids or labels: this model is a causal LM, scored by label "
+                "tokens; only a classification-head (*ForSequenceClassification) checkpoint "
+                "scores without labels",
+                "label_token_ids",
+            )
+        label_ids = _labels(options.label_token_ids, options.labels, tokenizer, vocab_size)
     suffix_ids = _item_suffix(options.item_suffix, tokenizer, vocab_size)
 
     if text:
@@ -195,8 +214,67 @@ def validate(
                 f"the model takes at most {max_sequence_length}{hint}",
                 "items",
             )
+    if num_classes and pad_token_id is not None:
+        query_ids, item_ids = _pooled(query_ids, item_ids, pad_token_id, bool(options.item_first))
     return ScoreRequest(
-        query_ids, item_ids, label_ids, bool(options.item_first), bool(options.apply_softmax)
+        query_ids,
+        item_ids,
+        label_ids,
+        bool(options.item_first),
+        bool(options.apply_softmax),
+        classification=bool(num_classes),
+    )
+
+
+def _no_labels(options: ScoreOptions) -> None:
+    for param in ("label_token_ids", "labels"):
+        if getattr(options, param) is not None:
+            raise ValidationError(
+                "labels_on_classification_model",
+                f"this model has a classification head and scores its own classes; do not give "
+                f"{param}",
+                param,
+            )
+
+
+def _pooled(
+    query: list[int], items: list[list[int]], pad: int, item_first: bool
+) -> tuple[list[int], list[list[int]]]:
+    """The query and items cut so that each sequence ends at the token transformers pools: the
+    last one that is not `pad` (the first token if all are). A causal model's state there does
+    not depend on the tokens after it, so scoring the cut sequence is exact."""
+
+    def strip(ids: list[int]) -> list[int]:
+        end = len(ids)
+        while end and ids[end - 1] == pad:
+            end -= 1
+        return ids[:end]
+
+    if item_first:  # item + query: the query's own trailing padding goes first, for all items
+        query = strip(query)
+        if query:
+            return query, items
+        cut = []
+        for i, item in enumerate(items):
+            if not item:
+                raise _unpoolable(i, pad)
+            cut.append(strip(item) or item[:1])
+        return query, cut
+    cut = []
+    for i, item in enumerate(items):
+        kept = strip(item)
+        if not kept and query and query[-1] == pad:
+            raise _unpoolable(i, pad)
+        cut.append(kept if kept or query else item[:1])
+    return query, cut
+
+
+def _unpoolable(i: int, pad: int) -> ValidationError:
+    return ValidationError(
+        "padding_only_item",
+        f"items[{i}] is only padding (pad_token_id {pad}) and the query ends in padding, so "
+        "transformers would pool a query token that depends on the item; trim the padding",
+        "items",
     )
 
 
@@ -266,13 +344,22 @@ def validate_loglikelihood(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    num_classes: int = 0,
 ) -> LoglikelihoodRequest:
-    """Check a `Scorer.loglikelihood` call and turn it into token ids.
+    """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
+    (num_classes > 0) has no next-token distribution: `no_language_model_head`.
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
     without (`tpuscore.tasks.loglikelihood` says where this differs from the harness).
     """
+    if num_classes:
+        raise ValidationError(
+            "no_language_model_head",
+            "this model has a classification head, not an LM head: it has no token "
+            "log-likelihoods; use score() for its class logits",
+            "context",
+        )
     if isinstance(context, str):
         text = True
     elif _is_token_list(context):

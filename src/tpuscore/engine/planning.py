@@ -122,6 +122,7 @@ def split(
                 backend=backend,
                 num_tokens=num_tokens,
                 apply_softmax=requests[i].apply_softmax,
+                classification=requests[i].classification,
             )
         )
         start += count

@@ -213,12 +213,18 @@ class Service:
                 self.template = templates.get(rerank_template)
             except ValueError as e:  # ValidationError: unknown_template
                 raise ValueError(f"--rerank-template: {e}") from None
+        # A classification model ranks by its own classes: the template renders the text and
+        # supplies the item suffix, not the labels; the relevant class is the only one, else the
+        # last (LABEL_1 of a binary classifier).
+        classes = scorer.config.num_labels
+        self.labels = None if classes else list(self.template.labels)
+        self.positive = max(classes - 1, 0)
         try:  # a template whose labels are not single tokens here would fail every rerank
             t = self.template
             scorer.prepare(
                 t.render_query("query"),
                 [t.render_item("document")],
-                labels=list(t.labels),
+                labels=self.labels,
                 item_suffix=t.item_suffix,
             )
         except ValidationError as e:
@@ -233,7 +239,9 @@ class Service:
         self.created = int(time.time())
 
     async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
-        """SGLang's scoring: P(label | query + item) for each item and label."""
+        """SGLang's scoring: P(label | query + item) for each item and label; on a classification
+        model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
+        class) with apply_softmax, as SGLang scores SequenceClassification models."""
         items = [body.items] if isinstance(body.items, str) else body.items
         self.check_count(items, "items")
         result = await self.scored(
@@ -296,9 +304,10 @@ class Service:
         """(ranked documents, ScoreResult) under the server's template.
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
-        computes it; `top_n` null or 0 returns every document (vLLM's default is 0). With fit,
-        each document is also cut to what fits beside the query (Cohere's v2 behaviour) instead
-        of failing sequence_too_long."""
+        computes it, or on a classification model the relevant class's probability; `top_n` null
+        or 0 returns every document (vLLM's default is 0). With fit, each document is also cut
+        to what fits beside the query (Cohere's v2 behaviour) instead of failing
+        sequence_too_long."""
         docs = body.documents
         self.check_count(docs, "documents")
         t = self.template
@@ -313,14 +322,14 @@ class Service:
                 request,
                 query=query,
                 items=[t.render_item(doc) for doc in docs],
-                labels=list(t.labels),
+                labels=self.labels,
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
                 truncate="right",
             )
         except ValidationError as e:
             raise wire_names(e, RERANK_PARAMS) from None
-        ranked = ranking.rank_result(result, docs, positive=0, top_k=body.top_n or None)
+        ranked = ranking.rank_result(result, docs, positive=self.positive, top_k=body.top_n or None)
         return ranked, result
 
     def room_beside(self, rendered_query: str) -> int:
@@ -369,8 +378,8 @@ class Service:
         num_tokens = 0
         for (_, indexes), result in zip(groups, results, strict=True):
             num_tokens += result.num_tokens
-            for i, p in zip(indexes, result.label_probs[:, 0], strict=True):
-                scores[i] = float(p)
+            for ranked in ranking.rank_result(result, indexes, positive=self.positive):
+                scores[ranked.item] = ranked.score  # as /v1/rerank scores the pair
             self.metrics.scored(request.url.path, len(indexes), result)
         response = protocol.VllmScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
@@ -398,7 +407,7 @@ class Service:
                 request,
                 query=t.render_query(query),
                 items=[t.render_item(doc) for doc in docs],
-                labels=list(t.labels),
+                labels=self.labels,
                 item_suffix=t.item_suffix,
             )
         except ValidationError as e:
