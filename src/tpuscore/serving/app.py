@@ -398,9 +398,9 @@ class Service:
         sides: tuple[str, str],
         indexes: list[int],
     ):
-        """The ScoreResult of docs against query under the server's template: its label_probs'
-        first column is the relevance score a rerank gives. An error names the wire's fields,
-        a document by its pair's index (docs[j] is pair indexes[j])."""
+        """The ScoreResult of docs against query under the server's template and labels, which
+        `ranking.rank_result` turns into the relevance scores a rerank gives. An error names the
+        wire's fields, a document by its pair's index (docs[j] is pair indexes[j])."""
         t = self.template
         try:
             return await self.scored(
