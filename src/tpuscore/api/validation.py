@@ -8,7 +8,7 @@ and over-long sequences) see exactly the tokens a backend will.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -134,39 +134,7 @@ def validate(
     max_item_tokens, truncate = options.max_item_tokens, options.truncate
     _check_truncation(max_item_tokens, truncate)
 
-    if isinstance(query, str):
-        text = True
-    elif _is_token_list(query):
-        text = False
-    else:
-        raise ValidationError(
-            "invalid_query",
-            f"query must be a str or a list of int token ids, got {query!r}",
-            "query",
-        )
-    if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
-        raise ValidationError(
-            "invalid_items",
-            f"items must be a list of str or a list of token-id lists, got {items!r}",
-            "items",
-        )
-    for i, item in enumerate(items):
-        item_text = isinstance(item, str)
-        if not item_text and not _is_token_list(item):
-            raise ValidationError(
-                "invalid_items",
-                f"items[{i}] must be a str or a list of int token ids, got {item!r}",
-                "items",
-            )
-        if item_text != text:
-            kinds = ("text", "token ids") if text else ("token ids", "text")
-            raise ValidationError(
-                "mixed_input_types",
-                f"query is {kinds[0]} but items[{i}] is {kinds[1]}; use one kind for both",
-                "items",
-            )
-        if item_text:
-            check_text(item, f"items[{i}]")
+    text = _input_kind(query, items, "query", "items", item_param=lambda i: "items")
     if num_classes:
         _no_labels(options)
         label_ids = list(range(num_classes))
@@ -278,6 +246,53 @@ def _unpoolable(i: int, pad: int) -> ValidationError:
     )
 
 
+def _indexed(i: int) -> str:
+    return f"continuations[{i}]"
+
+
+def _input_kind(
+    query: Any, items: Any, query_name: str, items_name: str, item_param: Callable[[int], str]
+) -> bool:
+    """Whether `query` and its `items` are text (else token ids), after checking each is a str
+    or a token-id list, the items a list, all of one kind, and every text valid Unicode.
+    item_param(i) is the `param` an error about item i names."""
+    if isinstance(query, str):
+        text = True
+    elif _is_token_list(query):
+        text = False
+    else:
+        raise ValidationError(
+            "invalid_query",
+            f"{query_name} must be a str or a list of int token ids, got {query!r}",
+            query_name,
+        )
+    if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
+        raise ValidationError(
+            "invalid_items",
+            f"{items_name} must be a list of str or a list of token-id lists, got {items!r}",
+            items_name,
+        )
+    for i, item in enumerate(items):
+        item_text = isinstance(item, str)
+        if not item_text and not _is_token_list(item):
+            raise ValidationError(
+                "invalid_items",
+                f"{items_name}[{i}] must be a str or a list of int token ids, got {item!r}",
+                item_param(i),
+            )
+        if item_text != text:
+            kinds = ("text", "token ids") if text else ("token ids", "text")
+            raise ValidationError(
+                "mixed_input_types",
+                f"{query_name} is {kinds[0]} but {items_name}[{i}] is {kinds[1]}; use one kind "
+                "for both",
+                item_param(i),
+            )
+        if item_text:
+            check_text(item, f"{items_name}[{i}]")
+    return text
+
+
 def check_text(value: str, param: str) -> None:
     """Raise `invalid_text` for a str that is not valid Unicode (a lone surrogate such as
     "\\ud800", which JSON and Python strings can carry but UTF-8 cannot encode)."""
@@ -360,41 +375,9 @@ def validate_loglikelihood(
             "log-likelihoods; use score() for its class logits",
             "context",
         )
-    if isinstance(context, str):
-        text = True
-    elif _is_token_list(context):
-        text = False
-    else:
-        raise ValidationError(
-            "invalid_query",
-            f"context must be a str or a list of int token ids, got {context!r}",
-            "context",
-        )
-    if isinstance(continuations, (str, np.ndarray)) or not isinstance(continuations, Sequence):
-        raise ValidationError(
-            "invalid_items",
-            f"continuations must be a list of str or a list of token-id lists, "
-            f"got {continuations!r}",
-            "continuations",
-        )
+    text = _input_kind(context, continuations, "context", "continuations", item_param=_indexed)
     for i, continuation in enumerate(continuations):
         param = f"continuations[{i}]"
-        is_text = isinstance(continuation, str)
-        if not is_text and not _is_token_list(continuation):
-            raise ValidationError(
-                "invalid_items",
-                f"{param} must be a str or a list of int token ids, got {continuation!r}",
-                param,
-            )
-        if is_text != text:
-            kinds = ("text", "token ids") if text else ("token ids", "text")
-            raise ValidationError(
-                "mixed_input_types",
-                f"context is {kinds[0]} but {param} is {kinds[1]}; use one kind for both",
-                param,
-            )
-        if is_text:
-            check_text(continuation, param)
         if len(continuation) == 0:
             raise ValidationError(
                 "empty_continuation", f"{param} is empty: there is nothing to score", param
