@@ -1,0 +1,1 @@
+"""Optional integrations with other tools, each behind its own extra."""
