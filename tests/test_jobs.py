@@ -5,6 +5,7 @@ run the job in subprocesses."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +19,10 @@ from tpuscore.jobs.job import output_paths
 from tpuscore.jobs.scoring import label_names
 
 CASE = "llama_gqa_untied"
-WORDS = "the river ran past old mill under stone bridge apples bread cheese park light".split()
+WORDS = [
+    "the", "river", "ran", "past", "old", "mill", "under", "stone", "bridge", "apples", "bread",
+    "cheese", "park", "light",
+]  # fmt: skip
 LABELS = ["a", "b"]  # single tokens in the tests' tokenizer
 
 
@@ -124,7 +128,9 @@ def test_request_rows_with_labels_per_row_from_json_lines(scorer, rng, tmp_path)
         if not row["items"]:
             assert o["logprobs"] == []
             continue
-        expected = reference(scorer, [row["query"]] * len(row["items"]), row["items"], row["labels"])
+        expected = reference(
+            scorer, [row["query"]] * len(row["items"]), row["items"], row["labels"]
+        )
         np.testing.assert_allclose(o["logprobs"], expected, atol=1e-5, rtol=0)
         np.testing.assert_allclose(o["scores"], scipy.special.softmax(expected, 1), atol=1e-5)
 
@@ -146,7 +152,9 @@ def test_bad_rows_go_to_the_errors_file_and_the_rest_is_scored(scorer, rng, tmp_
         labels=LABELS,
         shard_rows=8,
     )
-    errors = [json.loads(line) for line in open(output_paths(str(output))[2])]
+    errors = [
+        json.loads(line) for line in Path(output_paths(str(output))[2]).read_text().splitlines()
+    ]
     assert [(e["row"], e["ids"], e["code"]) for e in errors] == [
         (4, {"item_id": 28}, "invalid_items"),
         (11, {"item_id": 77}, "empty_sequence"),
@@ -181,7 +189,7 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
     with pytest.raises(JobConfigError) as bad:  # " yes" is three tokens here
         score_table(tmp_path / "pairs.parquet", tmp_path / "a.parquet", labels=[" yes"], **common)
     assert bad.value.param == "labels"
-    assert open(tmp_path / "a.parquet.errors.jsonl").read() == ""  # a job's error, not rows'
+    assert (tmp_path / "a.parquet.errors.jsonl").read_text() == ""  # a job's error, not rows'
     with pytest.raises(JobConfigError) as missing:
         score_table(
             tmp_path / "pairs.parquet", tmp_path / "b.parquet", id_columns=["nope"], **common
@@ -233,26 +241,27 @@ def test_a_rerun_resumes_after_the_last_committed_shard(scorer, rng, tmp_path):
         score_table(tmp_path / "pairs.parquet", output, scorer=StopAfter(scorer, 2), **kwargs)
     assert sorted(os.listdir(directory)) == ["part-00000.parquet", "part-00001.parquet"]
     # What a kill leaves between a shard's rename and the manifest's: files past the commit.
-    open(os.path.join(directory, "part-00002.parquet"), "wb").write(b"half")
-    open(os.path.join(directory, ".part-00003.parquet.123.tmp"), "wb").write(b"half")
-    open(errors_path, "a").write('{"row": 99, "half": ')
+    Path(directory, "part-00002.parquet").write_bytes(b"half")
+    Path(directory, ".part-00003.parquet.123.tmp").write_bytes(b"half")
+    with open(errors_path, "a") as f:
+        f.write('{"row": 99, "half": ')
     with pytest.raises(Interrupted):  # shard 3 holds the bad row: its error is committed
         score_table(tmp_path / "pairs.parquet", output, scorer=StopAfter(scorer, 2), **kwargs)
     resumed = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, **kwargs)
     assert resumed.resumed_rows == 40 and resumed.rows == 5 and resumed.shards == 1
     assert read(output).equals(read(tmp_path / "whole"))  # every value, bit for bit
-    errors = open(errors_path).read().splitlines()
+    errors = Path(errors_path).read_text().splitlines()
     assert [json.loads(e)["row"] for e in errors] == [30] and whole.errors == 1
     assert not [n for n in os.listdir(directory) if n.startswith(".")]
     # Finished: a re-run does nothing; other settings are refused; overwrite starts again.
     again = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, **kwargs)
     assert again.rows == 0 and again.resumed_rows == 45
     with pytest.raises(JobConfigError, match="shard_rows") as other:
-        score_table(tmp_path / "pairs.parquet", output, scorer=scorer, **{**kwargs, "shard_rows": 9})
+        score_table(
+            tmp_path / "pairs.parquet", output, scorer=scorer, **{**kwargs, "shard_rows": 9}
+        )
     assert other.value.code == "output_exists"
-    fresh = score_table(
-        tmp_path / "pairs.parquet", output, scorer=scorer, overwrite=True, **kwargs
-    )
+    fresh = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, overwrite=True, **kwargs)
     assert fresh.rows == 45 and read(output).equals(read(tmp_path / "whole"))
 
 

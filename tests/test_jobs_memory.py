@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
     import numpy as np, pyarrow as pa, pyarrow.compute as pc, pyarrow.parquet as pq
     from tpuscore import jobs
 
-    checkpoint, directory, rows, payload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    checkpoint, directory = sys.argv[1:3]
+    rows, payload = int(sys.argv[3]), int(sys.argv[4])
 
     def table(n):
         user = np.arange(n) // 200  # 200 candidates per user: the job's pair rows
