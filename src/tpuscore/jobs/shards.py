@@ -14,6 +14,7 @@ import posixpath
 
 import fsspec
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 from tpuscore.jobs.tables import write_table
 
@@ -32,7 +33,7 @@ def _aside(path: str) -> str:
 def _durable(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Flush a local file to disk (fsync) before it is renamed; other filesystems store an
     object whole when it is closed."""
-    if "file" in fs.protocol or "local" in fs.protocol:
+    if isinstance(fs, LocalFileSystem):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
