@@ -491,6 +491,13 @@ def _run_job(args: argparse.Namespace) -> int:
         raise InputError(_validation_message(e)) from None
     except (jobs.TableError, jobs.RowFailed) as e:
         raise InputError(str(e)) from None
+    except KeyboardInterrupt:
+        print(
+            "tpuscore job: interrupted; the committed shards stay: run the same command again "
+            "to resume",
+            file=sys.stderr,
+        )
+        raise
     if not args.quiet:
         print(summary.line(), file=sys.stderr)
     return 0

@@ -64,6 +64,8 @@ class JobSummary:
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
+        if not self.rows and self.resumed_rows:
+            return f"tpuscore job: already complete ({self.resumed_rows} rows) -> {self.output}"
         used = ", ".join(f"{name} {n}" for name, n in sorted(self.backends.items())) or "none"
         resumed = f", resumed after row {self.resumed_rows}" if self.resumed_rows else ""
         return (
