@@ -5,6 +5,7 @@ run the job in subprocesses."""
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -302,3 +303,41 @@ def test_grouping_and_label_names():
     assert label_names([" yes", "yes"]) == ["0", "1"]  # not distinct once stripped
     assert label_names([5, 9]) == ["5", "9"]
     assert label_names(["a b", "c"]) == ["0", "1"]
+
+
+def test_the_job_command(checkpoint_dir, rng, tmp_path, capsys):
+    from tpuscore.cli import main
+
+    table = pairs_table(rng, 9).to_pydict()
+    table["item_text"][3] = "x" * 600
+    pq.write_table(pa.table(table), tmp_path / "pairs.parquet")
+    args = [
+        "job", str(tmp_path / "pairs.parquet"), "--model", str(checkpoint_dir(CASE)),
+        "--dtype", "float32", "--labels", "a", "b", "--query-column", "user_text",
+        "--item-column", "item_text", "--id-columns", "user_id,item_id", "--shard-rows", "4",
+    ]  # fmt: skip
+    assert main([*args, "--output", str(tmp_path / "out.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "tpuscore job: 9 rows, 1 errors" in err and "%|" not in err  # no bar off a terminal
+    assert sorted(os.listdir(tmp_path / "out.jsonl")) == [f"part-0000{i}.jsonl" for i in range(3)]
+    assert main([*args, "--output", str(tmp_path / "out.jsonl"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # finished already, and quiet
+    assert main([*args, "--output", str(tmp_path / "stop"), "--on-error", "fail"]) == 2
+    assert "row 3" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "x"), "--query-column", "nope"]) == 2
+    assert "no query column 'nope'" in capsys.readouterr().err
+
+
+def test_the_command_caches_compiles_in_the_user_cache_directory(monkeypatch, tmp_path):
+    from tpuscore.engine import compilation_cache
+
+    monkeypatch.delenv(compilation_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if sys.platform.startswith("linux"):
+        assert compilation_cache.command_dir() == str(tmp_path / "tpuscore" / "jax-compilation")
+    assert compilation_cache.command_dir(disabled=True) == ""
+    monkeypatch.setenv(compilation_cache.ENV, "off")
+    assert compilation_cache.command_dir() == "" and compilation_cache.enable("off") is None
+    monkeypatch.setenv(compilation_cache.ENV, str(tmp_path / "mine"))
+    assert compilation_cache.command_dir() == str(tmp_path / "mine")
+    assert compilation_cache.command_dir(disabled=True) == ""  # the flag wins
