@@ -62,6 +62,17 @@ class RowFailed(Exception):
         self.error = error
 
 
+def _optional_tuple(value: Any) -> tuple | None:
+    """A list of labels as a tuple; a lone string is refused (it would become its characters)."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes):
+        raise JobConfigError(
+            "invalid_argument", f"labels must be a list, got the string {value!r}", "labels"
+        )
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class Spec:
     """What to score in a table, and how: the columns, the labels and the score options.
@@ -83,12 +94,8 @@ class Spec:
     query_column: str = "query"
     item_column: str | None = None
     id_columns: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    labels: tuple[str, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple)
-    )
-    label_token_ids: tuple[int, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple)
-    )
+    labels: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple)
+    label_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple)
     template: str | None = None
     instruction: str | None = None
     item_suffix: str | None = None
