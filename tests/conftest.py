@@ -7,6 +7,9 @@ from helpers import SEED_ENV, run_seed, seeded_rng
 from tpuscore import DefaultModelMissingError, Scorer
 from tpuscore.models.loaders.default import default_model_path as find_default_model
 
+# The `tpuscore` command caches compiles in the user cache directory by default: not from tests.
+os.environ.setdefault("TPUSCORE_COMPILATION_CACHE", "off")
+
 FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
 
 

@@ -1,6 +1,6 @@
 """lm-evaluation-harness on tpuscore: the harness's model "tpuscore".
 
-Importing this module registers the model with the harness (`pip install 'tpuscore[eval]'`):
+Importing this module registers the model with the harness (`pip install -e '.[eval]'`):
 
     import lm_eval
     import tpuscore.integrations.lm_eval  # noqa: F401  registers "tpuscore"
@@ -47,7 +47,7 @@ try:
 except ImportError as missing:  # pragma: no cover - depends on the environment
     raise ImportError(
         "tpuscore.integrations.lm_eval needs lm-evaluation-harness: "
-        "pip install 'tpuscore[eval]' (or pip install 'lm-eval>=0.4')"
+        "pip install -e '.[eval]' (or pip install 'lm-eval>=0.4')"
     ) from missing
 from tqdm import tqdm
 
