@@ -58,15 +58,19 @@ def test_checkpoint_params_are_nontrivial_and_load_faithfully(checkpoints, case)
     if case == "qwen3_qknorm":
         assert sum(".q_norm." in k or ".k_norm." in k for k in norms) == 2 * 2
 
-    config = FAMILY_CASES[case]["config"]
-    assert ("lm_head.weight" in tensors) != config["tie_word_embeddings"]
+    classifier = FAMILY_CASES[case].get("head") == "seq_cls"
+    tied = AutoConfig.from_pretrained(path).tie_word_embeddings  # the family's default if unset
+    if classifier:  # a classification head in place of the LM head
+        assert "score.weight" in tensors and "lm_head.weight" not in tensors
+    else:
+        assert ("lm_head.weight" in tensors) != tied
 
     # What transformers loads is exactly what is on disk (no silently re-initialized tensor).
-    model = load_model(path)
+    model = load_model(path, classifier=classifier)
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     for k, v in tensors.items():
         np.testing.assert_array_equal(state[k], v, err_msg=k)
-    if config["tie_word_embeddings"]:
+    if tied and not classifier:
         np.testing.assert_array_equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     assert set(state) - set(tensors) <= {"lm_head.weight"}
 
