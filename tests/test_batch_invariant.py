@@ -36,10 +36,11 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 
 def _request(rng, vocab, query=None, *, labels=(3, 7, 11)) -> dict:
-    """A random request: a query of 1-40 tokens (or the given one), 1-6 items of 0-12 tokens."""
+    """A random request: a query of 1-16 tokens (or the given one), 1-6 items of 0-8 tokens
+    (few buckets, so few compilations)."""
     if query is None:
-        query = _tokens(rng, int(rng.integers(1, 41)), vocab)
-    items = [_tokens(rng, int(rng.integers(0, 13)), vocab) for _ in range(rng.integers(1, 7))]
+        query = _tokens(rng, int(rng.integers(1, 17)), vocab)
+    items = [_tokens(rng, int(rng.integers(0, 9)), vocab) for _ in range(rng.integers(1, 7))]
     return {"query": query, "items": items, "label_token_ids": list(labels)}
 
 

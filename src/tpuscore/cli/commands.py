@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a device profile for auto (tpuscore calibrate writes one); default: the built-in "
         "one for this device kind",
     )
+    add(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's scores bit-identical whatever shares its batch (prefill_extend, serial "
+        "and reference only; docs/batch-invariance.md)",
+    )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
     # The shared options go on each subcommand only: on the main parser too, a subcommand's
@@ -243,15 +249,18 @@ def _read_input(path: str) -> tuple[str, str]:
 
 
 def load_scorer(args: argparse.Namespace):
-    """The Scorer for --model/--dtype/--backend/--mesh/--profile; a model or profile that cannot
-    be loaded is bad input."""
-    from tpuscore import Scorer
+    """The Scorer for --model/--dtype/--backend/--mesh/--profile/--batch-invariant; a model or
+    profile that cannot be loaded, or a backend the mode refuses, is bad input."""
+    from tpuscore import Scorer, ValidationError
 
     mesh = parse_mesh(args.mesh)
     try:
         return Scorer.from_pretrained(
-            args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, profile=args.profile
-        )
+            args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, profile=args.profile,
+            batch_invariant=args.batch_invariant,
+        )  # fmt: skip
+    except ValidationError as e:
+        raise InputError(f"--backend {args.backend}: {e}") from None
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
