@@ -25,7 +25,7 @@ import numpy as np
 
 from tpuscore import Scorer
 
-GEOMETRIES = ((300, 10, 10), (60, 12, 90), (100, 100, 20), (20, 50, 5))
+GEOMETRIES = ((300, 10, 10), (60, 12, 90), (20, 50, 5))
 LABELS = [0, 1, 2, 3]
 
 
