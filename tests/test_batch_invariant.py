@@ -6,6 +6,7 @@ bytes, not values within a tolerance: the difference must be exactly 0.0. Compan
 hypothesis: other queries, the same query, other item counts and lengths, other labels.
 """
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -211,3 +212,24 @@ def test_fixed_shape_row_independent_on_xla(scorer, function):
         tokens[position], lens[position] = row, row_len
         results.append(step(tokens, lens)[position].tobytes())
     assert results[0] == results[1] == results[2]
+
+
+def test_cli_flag(checkpoint_dir, scorer, tmp_path, capsys):
+    """--batch-invariant builds the scorer in the mode: the library's bytes, and packed
+    refused before anything runs."""
+    from tpuscore.cli import commands as cli
+
+    model = str(checkpoint_dir(CASE))
+    status = cli.main(["serve", "--model", model, "--batch-invariant", "--backend", "packed_dense"])
+    assert status == 2
+    assert "batch_invariant=True" in capsys.readouterr().err
+    request = {"query": [5, 6, 7], "items": [[8], [9, 10]], "label_token_ids": [3, 7]}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(request))
+    assert (
+        cli.main(["score", "--model", model, "--dtype", "float32", "--batch-invariant", str(path)])
+        == 0
+    )
+    printed = json.loads(capsys.readouterr().out)
+    expected = scorer.score(**request).logprobs
+    assert np.array_equal(np.array(printed["logprobs"], np.float32), expected)
