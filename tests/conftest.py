@@ -3,10 +3,46 @@ import os
 import numpy as np
 import pytest
 
+from helpers import SEED_ENV, run_seed, seeded_rng
 from tpuscore import DefaultModelMissingError, Scorer
 from tpuscore.models.loaders.default import default_model_path as find_default_model
 
+# The `tpuscore` command caches compiles in the user cache directory by default: not from tests.
+os.environ.setdefault("TPUSCORE_COMPILATION_CACHE", "off")
+
 FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
+
+
+def pytest_configure(config):
+    """Fix the run's seed before any test or worker starts; an xdist worker takes its
+    controller's."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        os.environ[SEED_ENV] = workerinput[SEED_ENV]
+    try:
+        run_seed()
+    except ValueError as bad:
+        raise pytest.UsageError(str(bad)) from None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist: hand the run's seed to each worker."""
+    node.workerinput[SEED_ENV] = str(run_seed())
+
+
+def pytest_report_header(config):
+    return f"tpuscore test seed: {run_seed()} ({SEED_ENV}={run_seed()} replays this run)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the command that replays its random inputs."""
+    report = yield
+    if report.failed:
+        replay = f"{SEED_ENV}={run_seed()} python -m pytest '{item.nodeid}'"
+        report.sections.append(("tpuscore test seed", replay))
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -43,11 +79,9 @@ def case(request) -> str:
 
 
 @pytest.fixture
-def rng() -> np.random.Generator:
-    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"rng seed: {seed}")
-    return np.random.default_rng(seed)
+def rng(request) -> np.random.Generator:
+    """Fresh random inputs each run, drawn from the run's seed (a failure's report prints it)."""
+    return seeded_rng(request.node.nodeid)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Helpers shared by the tests (fixtures live in conftest.py)."""
 
 import copy
+import os
+import zlib
 
 import numpy as np
 
@@ -17,6 +19,14 @@ QWEN3_0_6B = ModelConfig(
     family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
     num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
     max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+)  # fmt: skip
+GEMMA2_2B = ModelConfig(  # google/gemma-2-2b's config.json, as ModelConfig.from_hf reads it
+    family="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26,
+    num_heads=8, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+    norm_offset=1.0, embed_scale=2304**0.5, query_pre_attn_scalar=256.0, sandwich_norms=True,
+    attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=4096,
+    local_layers=(True, False) * 13,
 )  # fmt: skip
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -35,6 +45,27 @@ def compile_events() -> list[str]:
     )
     jax.clear_caches()
     return events
+
+
+SEED_ENV = "TPUSCORE_TEST_SEED"
+
+
+def run_seed() -> int:
+    """The seed of this test run: `TPUSCORE_TEST_SEED` if set (to replay a run), else a fresh one
+    drawn once and put in the environment, so pytest-xdist workers and the subprocesses tests
+    start share it. conftest.py prints it in the header and in every failure's report."""
+    if SEED_ENV not in os.environ:
+        os.environ[SEED_ENV] = str(int.from_bytes(os.urandom(4), "little"))
+    value = os.environ[SEED_ENV]
+    if not value.isdigit():
+        raise ValueError(f"{SEED_ENV}={value!r}: a seed is a non-negative integer")
+    return int(value)
+
+
+def seeded_rng(key: str) -> np.random.Generator:
+    """Random inputs for `key` (a test's node id, a fixture's name): fresh each run, and the same
+    for the same key whenever the run's seed is replayed, whatever order or worker runs it."""
+    return np.random.default_rng([run_seed(), zlib.crc32(key.encode())])
 
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -62,3 +93,50 @@ class SpyBackend:
         SpyBackend.calls += 1
         shape = (batch.items.shape[0], batch.label_ids.shape[0])
         return BackendOutput(np.zeros(shape, np.float32), np.ones(shape[0], bool), StepStats())
+
+
+class ServerThread:
+    """uvicorn serving `app` from a thread on 127.0.0.1, on a port the OS picked; stopped by
+    `stop()`, which drains like SIGTERM does (uvicorn's should_exit)."""
+
+    def __init__(self, app, *, timeout_graceful_shutdown: float | None = None):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=timeout_graceful_shutdown,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start within 30 s")
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the test server did not stop within 30 s"
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")

@@ -19,7 +19,7 @@ import numpy as np
 import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # keep test logs readable
@@ -128,6 +128,101 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Gemma and classification-head cases (issue 23). Not in conftest's FAMILY_CASES, so the tests
+# parametrized over the causal families do not grow; test_gemma.py and test_seq_cls.py use them.
+# Windows (7, 9) are shorter than the test sequences, so the sliding layers really cut; soft-caps
+# are small enough to bend the random model's scores.
+FAMILY_CASES |= {
+    # Gemma 2: local then global layer, query_pre_attn_scalar != head_dim, both soft-caps, GQA.
+    "gemma2_window": {
+        "model_type": "gemma2",
+        "add_bos": True,
+        "config": {
+            "hidden_size": 48,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 14,
+            "intermediate_size": 71,
+            "num_hidden_layers": 2,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 19,
+            "sliding_window": 7,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 1.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    # Gemma 3 (text): q/k norms, a local RoPE base apart from the global one (linear-scaled),
+    # global layer first so the scan really switches, MQA.
+    "gemma3_window": {
+        "model_type": "gemma3_text",
+        "add_bos": True,
+        "config": {
+            "hidden_size": 52,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "intermediate_size": 67,
+            "num_hidden_layers": 2,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 23,
+            "sliding_window": 9,
+            "layer_types": ["full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        },
+    },
+    # Sequence classification heads: one logit (sigmoid scores), three named classes, and two
+    # classes with a pad token that moves the pooled token.
+    "llama_seq_cls": {
+        "model_type": "llama",
+        "add_bos": False,
+        "head": "seq_cls",
+        "config": {
+            **FAMILY_CASES["llama_gqa_untied"]["config"],
+            "num_labels": 1,
+        },
+    },
+    "qwen2_seq_cls": {
+        "model_type": "qwen2",
+        "add_bos": False,
+        "head": "seq_cls",
+        "config": {
+            **FAMILY_CASES["qwen2_bias"]["config"],
+            "id2label": {0: "negative", 1: "neutral", 2: "positive"},
+        },
+    },
+    # Gemma 1 ((1 + w) norms, GeGLU, scaled embeddings, no sandwich norms) under a head.
+    "gemma_seq_cls": {
+        "model_type": "gemma",
+        "add_bos": True,
+        "head": "seq_cls",
+        "config": {
+            "hidden_size": 44,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 12,
+            "intermediate_size": 53,
+            "num_hidden_layers": 2,
+            "hidden_act": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "num_labels": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "qwen3_seq_cls": {
+        "model_type": "qwen3",
+        "add_bos": False,
+        "head": "seq_cls",
+        "pad_token_id": 1,
+        "config": {**FAMILY_CASES["qwen3_qknorm"]["config"], "num_labels": 2},
+    },
+}
+
 _COMMON_CONFIG: dict[str, Any] = {
     "vocab_size": MODEL_VOCAB_SIZE,
     "max_position_embeddings": 512,
@@ -194,9 +289,11 @@ def make_checkpoint(path_dir: str | os.PathLike[str], case: str, seed: int = 0) 
     if case not in FAMILY_CASES:
         raise ValueError(f"case={case!r} is unknown; expected one of {sorted(FAMILY_CASES)}")
     spec = FAMILY_CASES[case]
-    config = AutoConfig.for_model(spec["model_type"], **_COMMON_CONFIG, **spec["config"])
+    common = {**_COMMON_CONFIG, "pad_token_id": spec.get("pad_token_id")}
+    config = AutoConfig.for_model(spec["model_type"], **(common | spec["config"]))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    auto = AutoModelForSequenceClassification if spec.get("head") else AutoModelForCausalLM
+    model = auto.from_config(config).to(torch.float32)
     _randomize(model, seed)
     path = pathlib.Path(path_dir)
     path.mkdir(parents=True, exist_ok=True)
@@ -206,19 +303,31 @@ def make_checkpoint(path_dir: str | os.PathLike[str], case: str, seed: int = 0) 
 
 
 @functools.lru_cache(maxsize=16)
-def _load_model(path: str, mtime_ns: int) -> torch.nn.Module:
+def _load_model(path: str, mtime_ns: int, classifier: bool) -> torch.nn.Module:
     """Load once per checkpoint; `mtime_ns` keys the cache so a rewritten checkpoint reloads."""
     del mtime_ns
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
-def load_model(path_dir: str | os.PathLike[str]) -> torch.nn.Module:
-    """The checkpoint as a float32, eager-attention, eval-mode transformers model (cached)."""
+def load_model(path_dir: str | os.PathLike[str], classifier: bool = False) -> torch.nn.Module:
+    """The checkpoint as a float32, eager-attention, eval-mode transformers model (cached);
+    classifier: as `AutoModelForSequenceClassification`."""
     path = pathlib.Path(path_dir).resolve()
-    return _load_model(str(path), (path / "model.safetensors").stat().st_mtime_ns)
+    return _load_model(str(path), (path / "model.safetensors").stat().st_mtime_ns, classifier)
+
+
+def hf_class_logits(path_dir: str | os.PathLike[str], sequences: list[list[int]]) -> np.ndarray:
+    """transformers' `AutoModelForSequenceClassification` logits [len(sequences), num_labels]
+    (float64), each sequence run alone, pooled as transformers pools (the last non-pad token)."""
+    model = load_model(path_dir, classifier=True)
+    out = []
+    for seq in sequences:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq], dtype=torch.long), use_cache=False).logits
+        out.append(logits[0].to(torch.float64).numpy())
+    return np.stack(out)
 
 
 def hf_logprobs(

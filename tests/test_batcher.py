@@ -261,11 +261,224 @@ def test_max_batch_tokens_bounds_a_batch(scorer, rng):
         ({"max_wait_ms": "2"}, "max_wait_ms must be a number"),
         ({"max_batch_tokens": 0}, "max_batch_tokens must be an int >= 1"),
         ({"max_pending": 2.5}, "max_pending must be an int >= 1"),
+        ({"max_request_step_tokens": 0}, "max_request_step_tokens must be an int >= 1"),
+        ({"max_queued_tokens": -3}, "max_queued_tokens must be an int >= 1"),
+        ({"request_timeout_s": 0}, "request_timeout_s must be a positive number"),
+        ({"request_timeout_s": float("inf")}, "request_timeout_s must be a positive number"),
     ],
 )
 def test_bad_options_name_the_option(scorer, options, message):
     with pytest.raises(ValueError, match=message):
         Batcher(scorer, **options)
+
+
+# -- deadlines, cancellation, fairness, admission (issue 25) -----------------------------------
+
+
+class Recorder(Spy):
+    """The Spy, also recording the requests of each scoring run and when it started, and the
+    threads that tokenized (prepare)."""
+
+    def __init__(self, scorer, gate=None, prepare_s: float = 0.0):
+        super().__init__(scorer, gate)
+        self.ran: list[list] = []  # per run: its requests
+        self.started: list[float] = []  # per run: time.monotonic() at its start
+        self.prepared_in: list[threading.Thread] = []
+        self.prepare_s = prepare_s
+
+    @property
+    def engine(self):
+        return RecordedEngine(self)
+
+    def run(self, requests, *, backend=None):
+        if requests:
+            self.ran.append(list(requests))
+            self.started.append(time.monotonic())
+        return super().run(requests, backend=backend)
+
+    def queries_run(self) -> list:
+        return [r.query for run in self.ran for r in run]
+
+
+class RecordedEngine:
+    """The scorer's engine, its prepare (the tokenization) recorded by a Recorder."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def __getattr__(self, name):
+        return getattr(self.recorder.scorer.engine, name)
+
+    def prepare(self, *args, **kwargs):
+        self.recorder.prepared_in.append(threading.current_thread())
+        time.sleep(self.recorder.prepare_s)
+        return self.recorder.scorer.engine.prepare(*args, **kwargs)
+
+
+def _scored(recorder, request: dict) -> bool:
+    return any(q == request["query"] for q in recorder.queries_run())
+
+
+def test_a_request_past_its_deadline_fails_and_is_never_scored(scorer, rng):
+    from tpuscore.serving.batcher import DeadlineExceeded
+
+    requests = _requests(rng, scorer, 4, serial=False)
+    spy = Recorder(scorer, gate := threading.Event())
+    with Batcher(spy, max_wait_ms=0, request_timeout_s=0.3) as batcher:
+        first = batcher.submit(**requests[0], timeout_s=WAIT_S)
+        assert spy.running.wait(WAIT_S)  # the gate holds the worker in the first run
+        start = time.monotonic()
+        late = batcher.submit(**requests[1])  # the batcher's default: 0.3 s
+        later = batcher.submit(**requests[2], timeout_s=0.5)
+        with pytest.raises(DeadlineExceeded, match="0.3 s"):
+            late.result(WAIT_S)
+        assert 0.3 <= time.monotonic() - start < 2.0  # at its deadline, the worker still busy
+        with pytest.raises(DeadlineExceeded):
+            later.result(WAIT_S)
+        assert batcher.pending == 1  # only the running one
+        gate.set()
+        assert_as_alone(first.result(WAIT_S).logprobs, scorer.score(**requests[0]).logprobs)
+        on_time = batcher.score(**requests[3], timeout_s=WAIT_S)
+        assert_as_alone(on_time.logprobs, scorer.score(**requests[3]).logprobs)
+    assert not _scored(spy, requests[1]) and not _scored(spy, requests[2])
+    assert isinstance(DeadlineExceeded(1.0), TimeoutError)
+    with Batcher(scorer) as batcher, pytest.raises(ValidationError) as bad:
+        batcher.submit(**requests[0], timeout_s=0)
+    assert bad.value.code == "invalid_argument" and bad.value.param == "timeout_s"
+
+
+def test_a_cancelled_request_is_never_scored(scorer, rng):
+    requests = _requests(rng, scorer, 5, serial=False)  # [3] is text
+    spy = Recorder(scorer, gate := threading.Event())
+
+    async def abandon(batcher):
+        task = asyncio.ensure_future(batcher.score_async(**requests[2]))
+        await asyncio.sleep(0.2)  # tokenized and queued behind the gated run
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with Batcher(spy, max_wait_ms=0) as batcher:
+        first = batcher.submit(**requests[0])
+        assert spy.running.wait(WAIT_S)
+        cancelled = batcher.submit(**requests[1])
+        assert cancelled.cancel() and batcher.pending == 1
+        asyncio.run(abandon(batcher))
+        assert batcher.pending == 1
+        gate.set()
+        first.result(WAIT_S)
+        batcher.score(**requests[4])
+    assert not _scored(spy, requests[1]) and not _scored(spy, requests[2])
+    assert _scored(spy, requests[4])
+
+
+def test_a_small_request_is_not_held_behind_a_huge_one(scorer, rng):
+    """A 1,000-item request runs over many batches; small requests sent while it runs each
+    finish within two batches (the one running when they arrive and the next) and, so, within
+    twice the longest batch time plus scheduling slack, long before the huge one ends."""
+    vocab = scorer.config.vocab_size
+    huge = {
+        "query": random_tokens(rng, 12, vocab),
+        "items": [random_tokens(rng, int(k), vocab) for k in rng.integers(1, 5, size=1000)],
+        "label_token_ids": [3, 5],
+    }
+    small = _requests(rng, scorer, 4, serial=False)
+    small[3] = {**small[2], "query": random_tokens(rng, 9, vocab)}  # token ids only
+    expected = [scorer.score(**request).logprobs for request in small]
+    spy = Recorder(scorer)
+    with Batcher(spy, max_wait_ms=0, max_batch_tokens=160) as batcher:
+        big = batcher.submit(**huge)
+        assert spy.running.wait(WAIT_S)
+        latencies = []
+        for request, alone in zip(small, expected, strict=True):
+            start, done = time.monotonic(), []
+            future = batcher.submit(**request)
+            future.add_done_callback(lambda _, done=done: done.append(time.monotonic()))
+            result = future.result(WAIT_S)
+            latencies.append(done[0] - start)
+            during = [t for t in spy.started if start <= t <= done[0]]
+            assert len(during) <= 2, (len(during), latencies)
+            assert_as_alone(result.logprobs, alone)
+        assert not big.done()  # the small ones all went through while it ran
+        result = big.result(WAIT_S)
+    starts = np.array(spy.started)
+    longest = float(np.max(np.diff(starts)))
+    assert max(latencies) <= 2 * longest + 0.25, (latencies, longest)
+    assert_as_alone(result.logprobs, scorer.score(**huge).logprobs)
+    huge_runs = [run for run in spy.ran if any(r.query == huge["query"] for r in run)]
+    assert len(huge_runs) > 10  # split: at most 160 tokens of it per batch
+    for run in huge_runs:
+        chunk = next(r for r in run if r.query == huge["query"])
+        assert len(chunk.query) + sum(map(len, chunk.items)) <= 160
+    assert result.num_tokens >= sum(map(len, huge["items"]))
+
+
+def test_admission_refuses_before_tokenizing(scorer, rng):
+    text = {"query": "The quick brown fox", "items": [" jumps"] * 3, "labels": [" the"]}
+    spy = Recorder(scorer, gate := threading.Event())
+    with Batcher(spy, max_pending=3, max_queued_tokens=100, max_wait_ms=0) as batcher:
+        first = batcher.submit(**text)
+        assert spy.running.wait(WAIT_S)
+        second = batcher.submit(**text)  # queued: ~10 tokens
+        too_big = {**text, "items": ["word " * 100] * 2}  # ~250 tokens by its 1,000 bytes
+        with pytest.raises(Overloaded, match="max_queued_tokens=100"):
+            batcher.submit(**too_big)
+        third = batcher.submit(**text)
+        with pytest.raises(Overloaded, match="max_pending=3"):
+            batcher.submit(**text)
+        assert len(spy.prepared_in) == 3  # the refused ones were never tokenized
+        gate.set()
+        for future in (first, second, third):
+            future.result(WAIT_S)
+        alone = batcher.score(**too_big)  # nothing else queued: admitted whatever its size
+        np.testing.assert_array_equal(alone.logprobs, scorer.score(**too_big).logprobs)
+
+
+def test_a_deadline_passing_during_tokenization_answers_at_once(scorer):
+    from tpuscore import DeadlineExceeded
+
+    text = {"query": "The quick brown fox", "items": [" jumps"], "labels": [" the"]}
+    spy = Recorder(scorer, prepare_s=1.5)  # tokenization takes 1.5 s
+
+    async def main(batcher):
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await batcher.score_async(**text, timeout_s=0.2)
+        return time.monotonic() - start
+
+    with Batcher(spy) as batcher:
+        waited = asyncio.run(main(batcher))
+        assert waited < 1.0, waited
+    assert spy.ran == []  # tokenized after its deadline: never queued, never scored
+
+
+def test_score_async_tokenizes_off_the_event_loop(scorer):
+    text = {"query": "The quick brown fox", "items": [" jumps", " ran"], "labels": [" the"]}
+    spy = Recorder(scorer, prepare_s=0.5)
+
+    async def main(batcher):
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        tick = asyncio.ensure_future(ticker())
+        results = await asyncio.gather(*(batcher.score_async(**text) for _ in range(2)))
+        done.set()
+        await tick
+        return results, threading.current_thread(), max(gaps)
+
+    with Batcher(spy) as batcher:
+        results, loop_thread, longest_gap = asyncio.run(main(batcher))
+    assert loop_thread not in spy.prepared_in and len(spy.prepared_in) == 2
+    assert longest_gap < 0.1, longest_gap  # each prepare sleeps 0.5 s, off the loop
+    expected = scorer.score(**text).logprobs
+    for result in results:
+        assert_as_alone(result.logprobs, expected)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ def test_count_buckets_are_powers_of_two():
     assert bucket_count(2, minimum=16) == 16
 
 
+@pytest.mark.slow  # compiles every bucket of a stream
 def test_request_stream_compiles_once_per_bucket(scorers, rng):
     scorer = scorers("qwen3_qknorm")
     vocab = scorer.config.vocab_size

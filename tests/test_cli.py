@@ -6,6 +6,7 @@ seconds); the rest call `cli.main` in this process, which runs the same code.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def run_cli(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.Com
     )
 
 
+@pytest.mark.slow  # a subprocess
 def test_score_json_lines_from_stdin_equal_the_scorer(scorers, checkpoint_dir, rng):
     scorer = scorers(CASE)
     vocab = scorer.config.vocab_size
@@ -66,6 +68,7 @@ def test_score_json_lines_from_stdin_equal_the_scorer(scorers, checkpoint_dir, r
         assert out["backend"] == expected.backend and out["num_tokens"] > 0
 
 
+@pytest.mark.slow  # a subprocess
 def test_validation_error_is_one_line_and_status_2(checkpoint_dir, tmp_path):
     path = tmp_path / "requests.json"
     path.write_text(
@@ -174,6 +177,24 @@ def test_bench_finds_the_checkout_script_or_says_why_not(tmp_path, capsys):
     assert cli.main(["bench", "--script", str(tmp_path / "bench.py")]) == 1
     assert "not in the wheel" in capsys.readouterr().err
     assert cli.main(["bench", "--model", "x"]) == 2
+
+
+def test_bench_without_torch_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec then reports it missing
+    assert cli.main(["bench"]) == 1
+    err = capsys.readouterr().err
+    assert "torch is not installed" in err and "pip install" in err
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A model path that does not exist: loading it first would exit 2, not 1.
+        status = cli.main(["serve", "--model", str(tmp_path / "nope"), "--port", str(port)])
+    assert status == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_serve_refuses_an_unknown_template_before_listening(checkpoint_dir, capsys):

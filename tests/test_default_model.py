@@ -22,6 +22,7 @@ def test_its_config_is_the_one_the_lowering_test_lowers(scorer):
     assert scorer.config == SMOLLM2_135M
 
 
+@pytest.mark.slow  # loads transformers' own copy of the model
 def test_capital_of_france(scorer, hf_default_model):
     result = scorer.score("The capital of France is", [""], labels=[" Paris", " London"])
     query = scorer.tokenizer.encode("The capital of France is").ids
@@ -45,6 +46,7 @@ ITEMS = [
 ]
 
 
+@pytest.mark.slow  # the full-size model against transformers
 @pytest.mark.parametrize("item_first", [False, True])
 def test_parity_with_transformers(scorer, hf_default_model, item_first):
     labels = [" yes", " no", "yes", "no"]

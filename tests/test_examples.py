@@ -66,6 +66,7 @@ def runs(default_model_path, tmp_path_factory):
     return finished
 
 
+@pytest.mark.slow  # five subprocesses
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_example_runs(runs, name):
     code, output = runs[name]

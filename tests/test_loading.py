@@ -128,7 +128,7 @@ def test_config_reads_transformers_4_and_5_spellings():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+        ({"model_type": "phi3"}, "model_type 'phi3' is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_key_value_heads": 3}, "not a multiple"),

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers import QWEN3_0_6B, SMOLLM2_135M
+from helpers import GEMMA2_2B, QWEN3_0_6B, SMOLLM2_135M
 from tpuscore.backends import serial
 from tpuscore.backends.packed import backend as packed
 from tpuscore.backends.prefill_extend import backend as prefill_extend
@@ -23,7 +23,11 @@ from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import param_shapes
 
-MODELS = {"smollm2-135m": SMOLLM2_135M, "qwen3-0.6b": QWEN3_0_6B}
+MODELS = {
+    "smollm2-135m": SMOLLM2_135M,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "gemma2-2b": GEMMA2_2B,  # sliding windows (a traced window in the kernel), soft-caps
+}
 S = jax.ShapeDtypeStruct
 i32, f32 = jnp.int32, jnp.float32
 

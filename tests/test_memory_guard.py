@@ -117,6 +117,7 @@ HOST_MEMORY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_large_request_holds_host_memory_of_a_batch_not_of_every_item(checkpoint_dir):
     # 40,000 items of 8 tokens: held at once, one layer's float32 activations would be 40,000 x
     # 8 x 4 x (4 x 38 hidden + 3 x 61 MLP) bytes, 410 MiB, and the logits and log-softmax over

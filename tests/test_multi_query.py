@@ -9,13 +9,12 @@ within float rounding of scoring it alone (docs/batch-invariance.md).
 import collections
 import functools
 import math
-import os
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import random_tokens
+from helpers import random_tokens, seeded_rng
 from tpuscore import Scorer, backends
 from tpuscore.backends import BackendOutput
 from tpuscore.backends.buckets import bucket_tokens
@@ -64,9 +63,7 @@ def _request(rng, vocab: int, query_len: int, item_lens, labels) -> dict:
 def sixty_four(scorers):
     """64 requests, each with its own short query, two short items and its own labels; and each
     request's logprobs from the reference backend."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"rng seed: {seed}")
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng("test_multi_query.sixty_four")
     scorer = scorers(CASE)
     vocab = scorer.config.vocab_size
     requests = [

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tpuscore import Scorer
 
@@ -24,6 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a subprocess
 def test_two_processes_score_as_one(checkpoint_dir, tmp_path):
     model = checkpoint_dir("llama_gqa_untied")  # 2 kv heads, MLP width 58: 2 divides both
     coordinator = f"127.0.0.1:{free_port()}"

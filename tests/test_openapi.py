@@ -29,6 +29,9 @@ REQUEST_TIMEOUT_S = 60
 FUZZ_BUDGET_S = 240
 ENDPOINTS = {
     ("/v1/score", "post"),
+    ("/score", "post"),
+    ("/tokenize", "post"),
+    ("/detokenize", "post"),
     ("/v1/rerank", "post"),
     ("/rerank", "post"),
     ("/v2/rerank", "post"),
@@ -64,7 +67,7 @@ def test_openapi_describes_every_endpoint(client):
     assert served == ENDPOINTS
     for path, method in ENDPOINTS:
         responses = document["paths"][path][method]["responses"]
-        expected = {"200", "400", "413", "503"} if method == "post" else {"200"}
+        expected = {"200", "400", "413", "503", "504"} if method == "post" else {"200"}
         assert set(responses) == expected, (path, responses)
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     docs = client.get("/docs")

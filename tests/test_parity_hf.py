@@ -42,6 +42,7 @@ TEXT_ITEMS = ["", " yes", " the lazy dog", " naïve café 東京 🙂", "\n\n  s
 
 # Token inputs above cover every family at both lengths; text adds tokenization, so the lengths
 # rotate through the families.
+@pytest.mark.slow  # long; token-input parity stays in the quick loop
 @pytest.mark.parametrize(
     ("case", "query_words"),
     [("llama_gqa_untied", 1), ("llama3_rope_tied", 120), ("qwen2_bias", 1), ("qwen3_qknorm", 120)],

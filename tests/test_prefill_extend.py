@@ -72,6 +72,7 @@ def test_a_query_longer_than_one_prefill_chunk(scorers, rng):
     np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # long
 def test_batches_of_any_size_give_the_same_scores(scorers, rng):
     base = scorers("qwen2_bias")
     vocab = base.config.vocab_size

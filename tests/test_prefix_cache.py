@@ -98,6 +98,7 @@ def test_a_query_sharing_a_cached_prefix_prefills_only_the_rest(scorers, rng):
     assert _cache(scorer).partial_hits == 2
 
 
+@pytest.mark.slow  # long
 def test_eviction_keeps_the_budget_and_the_scores(scorers, rng):
     probe = _fresh(scorers)
     vocab = probe.config.vocab_size
@@ -119,6 +120,7 @@ def test_eviction_keeps_the_budget_and_the_scores(scorers, rng):
     np.testing.assert_array_equal(again.logprobs, first_scores[0])
 
 
+@pytest.mark.slow  # long
 @pytest.mark.parametrize("budget_entries", [1.5, 10])
 def test_threads_get_exactly_their_sequential_results(scorers, rng, budget_entries):
     probe = _fresh(scorers, "qwen2_bias")

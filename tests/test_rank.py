@@ -83,7 +83,7 @@ BAD = [
     ("invalid_argument", "positive", {"label_token_ids": [1, 2], "positive": True}),
     ("invalid_argument", "top_k", {"label_token_ids": [1, 2], "top_k": 0}),
     ("invalid_argument", "top_k", {"label_token_ids": [1, 2], "top_k": 2.0}),
-    ("empty_label_token_ids", "label_token_ids", {}),
+    ("no_classification_head", "label_token_ids", {}),
 ]
 
 

@@ -73,7 +73,7 @@ def test_serial_token_counts_split_exactly(scorers, rng):
             "token_id_exceeds_vocab",
             "requests[1].items[0]",
         ),
-        ({"query": [1], "items": [[2]]}, "empty_label_token_ids", "requests[1].label_token_ids"),
+        ({"query": [1], "items": [[2]]}, "no_classification_head", "requests[1].label_token_ids"),
         ({"query": [1], "label_token_ids": [1]}, "invalid_argument", "requests[1].items"),
         (
             {"query": [1], "items": [[2]], "label_token_ids": [1], "colour": 1},

@@ -18,6 +18,13 @@ def test_mask_matches_the_docstring_picture():
     np.testing.assert_array_equal(np.asarray(mask), expected)
 
 
+def test_window_mask_matches_the_docstring_picture():
+    mask = segment_mask(jnp.array([2]), jnp.array([[0, 0, 2, 2, 4, 4, 6]]), 7, jnp.int32(2))[0]
+    picture = ["x......", "xx.....", ".xx....", "..xx...", ".x..x..", "....xx.", ".x....x"]
+    expected = np.array([[c == "x" for c in row] for row in picture])
+    np.testing.assert_array_equal(np.asarray(mask), expected)
+
+
 def layout(rng, tokens: int, prefix_len: int, max_segment: int, padding: int) -> np.ndarray:
     """seg_start [tokens]: a causal prefix, then random segments, then `padding` rows of one."""
     seg_start = np.arange(tokens, dtype=np.int32)
@@ -53,19 +60,25 @@ def random_qkv(rng, batch, heads, kv_heads, tokens, head_dim, dtype=jnp.float32)
     max_segment=st.sampled_from([3, 40, 300]),  # shorter than a tile, spanning tiles
     prefix_frac=st.floats(0, 1),
     padding=st.integers(0, 60),
+    window=st.sampled_from([None, 1, 37, 200]),  # within a tile, across tiles
+    softcap=st.sampled_from([None, 2.0]),
 )
 def test_kernel_equals_reference(
-    seed, batch, kv_heads, group, tiles, block_q, max_segment, prefix_frac, padding
-):
+    seed, batch, kv_heads, group, tiles, block_q, max_segment, prefix_frac, padding, window,
+    softcap,
+):  # fmt: skip
     rng = np.random.default_rng(seed)
     tokens = 128 * tiles
     padding = min(padding, tokens - 1)
     prefix_lens = [int(prefix_frac * (tokens - padding)) for _ in range(batch)]
     seg_start = np.stack([layout(rng, tokens, p, max_segment, padding) for p in prefix_lens])
     q, k, v = random_qkv(rng, batch, kv_heads * group, kv_heads, tokens, 16)
-    args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start))
-    got = segment_attention(*args, block_sizes=BlockSizes(block_q, 128))
-    np.testing.assert_allclose(got, segment_attention_reference(*args), atol=1e-5, rtol=0)
+    window = None if window is None else jnp.int32(window)
+    args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start), window)
+    scores = {"scale": 0.2, "softcap": softcap}  # Gemma's: another scale, a tanh cap
+    got = segment_attention(*args, **scores, block_sizes=BlockSizes(block_q, 128))
+    expected = segment_attention_reference(*args, **scores)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
 
 def test_bfloat16_inputs_track_the_float32_reference(rng):
@@ -78,7 +91,8 @@ def test_bfloat16_inputs_track_the_float32_reference(rng):
     np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
 
 
-def test_only_tiles_with_a_visible_key_run(rng):
+@pytest.mark.parametrize("window", [None, 100])  # a window skips the query's early tiles too
+def test_only_tiles_with_a_visible_key_run(rng, window):
     # A 200-token query and 64 items of 5-30 tokens, as packed for scoring.
     lens = rng.integers(5, 31, size=64)
     tokens = -(-(200 + lens.sum()) // 128) * 128
@@ -88,11 +102,11 @@ def test_only_tiles_with_a_visible_key_run(rng):
         seg_start[start : start + n] = start
     blocks = BlockSizes(32, 128)
     q, k, v = random_qkv(rng, 1, 2, 1, tokens, 8)
-    ran = executed_tiles(
-        q, k, v, jnp.array([200]), jnp.asarray(seg_start[None]), block_sizes=blocks
-    )
+    window = None if window is None else jnp.int32(window)
+    metadata = (jnp.array([200]), jnp.asarray(seg_start[None]), window)
+    ran = executed_tiles(q, k, v, *metadata, block_sizes=blocks)
 
-    mask = np.asarray(segment_mask(jnp.array([200]), jnp.asarray(seg_start[None]), tokens))[0]
+    mask = np.asarray(segment_mask(*metadata[:2], tokens, window))[0]
     tiles = mask.reshape(tokens // 32, 32, tokens // 128, 128).any(axis=(1, 3))
     causal = np.tril(np.ones((tokens, tokens), bool)).reshape(tiles.shape[0], 32, -1, 128)
     dense, causal = tiles.size, int(causal.any(axis=(1, 3)).sum())

@@ -32,19 +32,26 @@ from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles
     prefix_frac=st.floats(0, 1),
     padding=st.integers(0, 60),
     head_dim=st.sampled_from([10, 16]),  # 10: zero-padded to a power of two
+    window=st.sampled_from([None, 1, 37, 100]),
 )
 def test_kernel_equals_reference(
-    seed, batch, kv_heads, group, tiles, block_q, max_segment, prefix_frac, padding, head_dim
-):
+    seed, batch, kv_heads, group, tiles, block_q, max_segment, prefix_frac, padding, head_dim,
+    window,
+):  # fmt: skip
     rng = np.random.default_rng(seed)
     tokens = 64 * tiles
     padding = min(padding, tokens - 1)
     prefix_lens = [int(prefix_frac * (tokens - padding)) for _ in range(batch)]
     seg_start = np.stack([layout(rng, tokens, p, max_segment, padding) for p in prefix_lens])
     q, k, v = random_qkv(rng, batch, kv_heads * group, kv_heads, tokens, head_dim)
-    args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start))
-    got = segment_attention_gpu(*args, block_sizes=GpuBlockSizes(block_q, 64), interpret=True)
-    np.testing.assert_allclose(got, segment_attention_reference(*args), atol=1e-5, rtol=0)
+    window = None if window is None else jnp.int32(window)
+    args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start), window)
+    scores = {"scale": 0.2, "softcap": 2.0}
+    got = segment_attention_gpu(
+        *args, **scores, block_sizes=GpuBlockSizes(block_q, 64), interpret=True
+    )
+    expected = segment_attention_reference(*args, **scores)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
 
 def test_bfloat16_inputs_track_the_float32_reference(rng):
@@ -57,8 +64,8 @@ def test_bfloat16_inputs_track_the_float32_reference(rng):
     np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("query_len, max_len", [(200, 30), (40, 150)])
-def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len):
+@pytest.mark.parametrize("query_len, max_len, window", [(200, 30, None), (40, 150, 70)])
+def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len, window):
     lens = rng.integers(5, max_len + 1, size=24)
     tokens = -(-(query_len + lens.sum()) // 128) * 128
     seg_start = np.arange(tokens, dtype=np.int32)
@@ -66,10 +73,11 @@ def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len):
     for start, n in zip(query_len + np.cumsum(lens) - lens, lens, strict=True):
         seg_start[start : start + n] = start
     q, k, v = random_qkv(rng, 1, 2, 1, tokens, 16)
-    args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]))
+    window = None if window is None else jnp.int32(window)
+    args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]), window)
     gpu = executed_tiles_gpu(*args, block_sizes=GpuBlockSizes(32, 128), interpret=True)
     tpu = executed_tiles(*args, block_sizes=BlockSizes(32, 128), interpret=True)
-    mask = np.asarray(segment_mask(args[3], args[4], tokens))[0]
+    mask = np.asarray(segment_mask(args[3], args[4], tokens, window))[0]
     visible = mask.reshape(tokens // 32, 32, tokens // 128, 128).any(axis=(1, 3)).sum()
     assert gpu == tpu == visible
 

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow  # a subprocess
 def test_sharded_scorers_on_8_cpu_devices():
     env = os.environ | {"JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(

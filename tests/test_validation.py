@@ -34,7 +34,7 @@ BAD = [
     ("empty_sequence", "items", [], [[1], []], {}),
     ("empty_sequence", "items", "", [""], {}),
     ("empty_label_token_ids", "label_token_ids", [1], [[1]], {"label_token_ids": []}),
-    ("empty_label_token_ids", "label_token_ids", [1], [[1]], {"label_token_ids": None}),
+    ("no_classification_head", "label_token_ids", [1], [[1]], {"label_token_ids": None}),
     ("empty_label_token_ids", "labels", "q", ["x"], {"labels": []}),
     ("invalid_label_token_ids", "label_token_ids", [1], [[1]], {"label_token_ids": 5}),
     ("invalid_label_token_ids", "label_token_ids", [1], [[1]], {"label_token_ids": [[1, 2]]}),

@@ -140,6 +140,7 @@ FIRST_REQUEST = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_new_process_loads_its_executables_from_the_cache(checkpoint_dir, tmp_path):
     env = {**os.environ, "TPUSCORE_COMPILATION_CACHE": str(tmp_path / "cache")}
 

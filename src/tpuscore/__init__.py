@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Batcher": "tpuscore.serving.batcher",
     "CheckpointMismatchError": "tpuscore.models.weights",
+    "DeadlineExceeded": "tpuscore.serving.batcher",
     "DefaultModelMissingError": "tpuscore.models.loaders.default",
     "LoglikelihoodResult": "tpuscore.tasks.loglikelihood",
     "ModelConfig": "tpuscore.models.config",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # the names for type checkers and editors
     from tpuscore.models.weights import CheckpointMismatchError as CheckpointMismatchError
     from tpuscore.scorer import Scorer as Scorer
     from tpuscore.serving.batcher import Batcher as Batcher
+    from tpuscore.serving.batcher import DeadlineExceeded as DeadlineExceeded
     from tpuscore.serving.batcher import Overloaded as Overloaded
     from tpuscore.tasks.loglikelihood import LoglikelihoodResult as LoglikelihoodResult
     from tpuscore.tasks.ranking import RankedItem as RankedItem

@@ -26,10 +26,12 @@ class ScoreOptions:
     are not checked here but by `tpuscore.api.validation`, which gives each its error code.
 
     Attributes:
-        label_token_ids: the labels as token ids; or give `labels`.
+        label_token_ids: the labels as token ids; or give `labels`. Neither for a
+            classification model, which scores its own classes.
         labels: the labels as strings that each encode to exactly one token.
         apply_softmax: whether `result.scores` is the softmax over the labels (else the model's
-            probabilities over the full vocabulary).
+            probabilities over the full vocabulary); for a classification model, the softmax
+            over its classes, or the sigmoid of a single class (else its logits).
         item_first: score item + query instead of query + item.
         item_suffix: text (tokenized once, without special tokens) or token ids appended to every
             item, such as a reranker's assistant-turn opener.
@@ -71,13 +73,15 @@ SCORE_ARGUMENTS = ("query", "items", *ScoreOptions.names())
 
 @attrs.frozen
 class ScoreRequest:
-    """A validated request as token ids."""
+    """A validated request as token ids. For a classification model (`classification`),
+    label_ids are the class indices 0..num_labels-1 and the scores are class logits."""
 
     query: list[int]
     items: list[list[int]]
     label_ids: list[int]
     item_first: bool
     apply_softmax: bool
+    classification: bool = False
 
 
 @attrs.frozen

@@ -15,15 +15,19 @@ def _read_only_float32(logprobs) -> np.ndarray:
 
 @attrs.frozen
 class ScoreResult:
-    """Scores for every item x label.
+    """Scores for every item x label, or every item x class of a classification model.
 
     Attributes:
         logprobs: log P(label | sequence) over the full vocabulary, read-only float32
-            [items, labels].
+            [items, labels]. For a classification model (`classification`): the class logits
+            [items, num_labels] at each sequence's last token, as transformers'
+            `*ForSequenceClassification` returns them.
         backend: the backend that ran ("none" when there were no items).
         num_tokens: token positions processed, for usage accounting; a request scored with
             others that share its query gets its own item tokens plus a share of the query's.
-        apply_softmax: which of `label_probs` and `probs` is `scores`.
+        apply_softmax: which of `label_probs` and `probs` is `scores` (for a classification
+            model: `probs` or the logits).
+        classification: whether `logprobs` holds a classification head's logits.
         probs, label_probs, scores: derived below.
     """
 
@@ -31,23 +35,38 @@ class ScoreResult:
     backend: str
     num_tokens: int
     apply_softmax: bool = False
+    classification: bool = False
 
     @classmethod
-    def empty(cls, num_labels: int, apply_softmax: bool) -> ScoreResult:
+    def empty(
+        cls, num_labels: int, apply_softmax: bool, classification: bool = False
+    ) -> ScoreResult:
         """The result for no items: shape [0, num_labels], from no backend."""
-        return cls(np.zeros((0, num_labels)), "none", 0, apply_softmax)
+        return cls(np.zeros((0, num_labels)), "none", 0, apply_softmax, classification)
 
     @property
     def probs(self) -> np.ndarray:
-        """P(label | sequence): the model's true probabilities."""
-        return np.exp(self.logprobs)
+        """P(label | sequence): the model's true probabilities. For a classification model, its
+        class probabilities: the softmax over the classes, or the sigmoid of a single class (as
+        sentence-transformers and vLLM score single-logit rerankers)."""
+        if not self.classification:
+            return np.exp(self.logprobs)
+        if self.logprobs.shape[1] == 1:
+            return scipy.special.expit(self.logprobs)
+        return scipy.special.softmax(self.logprobs, axis=1)
 
     @property
     def label_probs(self) -> np.ndarray:
-        """Softmax over the given labels per item; rows sum to 1 (relative, not true, probs)."""
+        """Softmax over the given labels per item; rows sum to 1 (relative, not true, probs).
+        For a classification model, `probs`."""
+        if self.classification:
+            return self.probs
         return scipy.special.softmax(self.logprobs, axis=1)
 
     @property
     def scores(self) -> np.ndarray:
-        """SGLang /v1/score semantics: label_probs if apply_softmax else probs."""
+        """SGLang /v1/score semantics: label_probs if apply_softmax else probs; for a
+        classification model, probs if apply_softmax else the class logits."""
+        if self.classification:
+            return self.probs if self.apply_softmax else self.logprobs
         return self.label_probs if self.apply_softmax else self.probs

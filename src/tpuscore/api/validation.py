@@ -8,7 +8,7 @@ and over-long sequences) see exactly the tokens a backend will.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -119,48 +119,35 @@ def validate(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    num_classes: int = 0,
+    pad_token_id: int | None = None,
 ) -> ScoreRequest:
     """Check a `Scorer.score` call (its query, items and `ScoreOptions`) and turn it into token
-    ids."""
+    ids.
+
+    num_classes > 0: the model has a classification head with that many classes; it takes no
+    labels and scores every class. pad_token_id: that model's padding token, which moves the
+    pooled token as transformers moves it (`_pooled`).
+    """
     _check_bool(options.apply_softmax, "apply_softmax")
     _check_bool(options.item_first, "item_first")
     max_item_tokens, truncate = options.max_item_tokens, options.truncate
     _check_truncation(max_item_tokens, truncate)
 
-    if isinstance(query, str):
-        text = True
-    elif _is_token_list(query):
-        text = False
+    text = _input_kind(query, items, "query", "items", item_param=lambda i: "items")
+    if num_classes:
+        _no_labels(options)
+        label_ids = list(range(num_classes))
     else:
-        raise ValidationError(
-            "invalid_query",
-            f"query must be a str or a list of int token ids, got {query!r}",
-            "query",
-        )
-    if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
-        raise ValidationError(
-            "invalid_items",
-            f"items must be a list of str or a list of token-id lists, got {items!r}",
-            "items",
-        )
-    for i, item in enumerate(items):
-        item_text = isinstance(item, str)
-        if not item_text and not _is_token_list(item):
+        if options.label_token_ids is None and options.labels is None:
             raise ValidationError(
-                "invalid_items",
-                f"items[{i}] must be a str or a list of int token ids, got {item!r}",
-                "items",
+                "no_classification_head",
+                "give label_token_ids or labels: this model is a causal LM, scored by label "
+                "tokens; only a classification-head (*ForSequenceClassification) checkpoint "
+                "scores without labels",
+                "label_token_ids",
             )
-        if item_text != text:
-            kinds = ("text", "token ids") if text else ("token ids", "text")
-            raise ValidationError(
-                "mixed_input_types",
-                f"query is {kinds[0]} but items[{i}] is {kinds[1]}; use one kind for both",
-                "items",
-            )
-        if item_text:
-            check_text(item, f"items[{i}]")
-    label_ids = _labels(options.label_token_ids, options.labels, tokenizer, vocab_size)
+        label_ids = _labels(options.label_token_ids, options.labels, tokenizer, vocab_size)
     suffix_ids = _item_suffix(options.item_suffix, tokenizer, vocab_size)
 
     if text:
@@ -195,9 +182,115 @@ def validate(
                 f"the model takes at most {max_sequence_length}{hint}",
                 "items",
             )
+    if num_classes and pad_token_id is not None:
+        query_ids, item_ids = _pooled(query_ids, item_ids, pad_token_id, bool(options.item_first))
     return ScoreRequest(
-        query_ids, item_ids, label_ids, bool(options.item_first), bool(options.apply_softmax)
+        query_ids,
+        item_ids,
+        label_ids,
+        bool(options.item_first),
+        bool(options.apply_softmax),
+        classification=bool(num_classes),
     )
+
+
+def _no_labels(options: ScoreOptions) -> None:
+    for param in ("label_token_ids", "labels"):
+        if getattr(options, param) is not None:
+            raise ValidationError(
+                "labels_on_classification_model",
+                f"this model has a classification head and scores its own classes; do not give "
+                f"{param}",
+                param,
+            )
+
+
+def _pooled(
+    query: list[int], items: list[list[int]], pad: int, item_first: bool
+) -> tuple[list[int], list[list[int]]]:
+    """The query and items cut so that each sequence ends at the token transformers pools: the
+    last one that is not `pad` (the first token if all are). A causal model's state there does
+    not depend on the tokens after it, so scoring the cut sequence is exact."""
+
+    def strip(ids: list[int]) -> list[int]:
+        end = len(ids)
+        while end and ids[end - 1] == pad:
+            end -= 1
+        return ids[:end]
+
+    if item_first:  # item + query: the query's own trailing padding goes first, for all items
+        query = strip(query)
+        if query:
+            return query, items
+        cut = []
+        for i, item in enumerate(items):
+            if not item:
+                raise _unpoolable(i, pad)
+            cut.append(strip(item) or item[:1])
+        return query, cut
+    cut = []
+    for i, item in enumerate(items):
+        kept = strip(item)
+        if not kept and query and query[-1] == pad:
+            raise _unpoolable(i, pad)
+        cut.append(kept if kept or query else item[:1])
+    return query, cut
+
+
+def _unpoolable(i: int, pad: int) -> ValidationError:
+    return ValidationError(
+        "padding_only_item",
+        f"items[{i}] is only padding (pad_token_id {pad}) and the query ends in padding, so "
+        "transformers would pool a query token that depends on the item; trim the padding",
+        "items",
+    )
+
+
+def _indexed(i: int) -> str:
+    return f"continuations[{i}]"
+
+
+def _input_kind(
+    query: Any, items: Any, query_name: str, items_name: str, item_param: Callable[[int], str]
+) -> bool:
+    """Whether `query` and its `items` are text (else token ids), after checking each is a str
+    or a token-id list, the items a list, all of one kind, and every text valid Unicode.
+    item_param(i) is the `param` an error about item i names."""
+    if isinstance(query, str):
+        text = True
+    elif _is_token_list(query):
+        text = False
+    else:
+        raise ValidationError(
+            "invalid_query",
+            f"{query_name} must be a str or a list of int token ids, got {query!r}",
+            query_name,
+        )
+    if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
+        raise ValidationError(
+            "invalid_items",
+            f"{items_name} must be a list of str or a list of token-id lists, got {items!r}",
+            items_name,
+        )
+    for i, item in enumerate(items):
+        item_text = isinstance(item, str)
+        if not item_text and not _is_token_list(item):
+            raise ValidationError(
+                "invalid_items",
+                f"{items_name}[{i}] must be a str or a list of int token ids, got {item!r}",
+                item_param(i),
+            )
+        if item_text != text:
+            kinds = ("text", "token ids") if text else ("token ids", "text")
+            raise ValidationError(
+                "mixed_input_types",
+                f"{query_name} is {kinds[0]} but {items_name}[{i}] is {kinds[1]}; use one kind "
+                "for both",
+                item_param(i),
+            )
+        if item_text:
+            check_text(item, f"{items_name}[{i}]")
+    return text
 
 
 def check_text(value: str, param: str) -> None:
@@ -266,48 +359,25 @@ def validate_loglikelihood(
     tokenizer: tokenizers.Tokenizer | None,
     vocab_size: int,
     max_sequence_length: int,
+    num_classes: int = 0,
 ) -> LoglikelihoodRequest:
-    """Check a `Scorer.loglikelihood` call and turn it into token ids.
+    """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
+    (num_classes > 0) has no next-token distribution: `no_language_model_head`.
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
     without (`tpuscore.tasks.loglikelihood` says where this differs from the harness).
     """
-    if isinstance(context, str):
-        text = True
-    elif _is_token_list(context):
-        text = False
-    else:
+    if num_classes:
         raise ValidationError(
-            "invalid_query",
-            f"context must be a str or a list of int token ids, got {context!r}",
+            "no_language_model_head",
+            "this model has a classification head, not an LM head: it has no token "
+            "log-likelihoods; use score() for its class logits",
             "context",
         )
-    if isinstance(continuations, (str, np.ndarray)) or not isinstance(continuations, Sequence):
-        raise ValidationError(
-            "invalid_items",
-            f"continuations must be a list of str or a list of token-id lists, "
-            f"got {continuations!r}",
-            "continuations",
-        )
+    text = _input_kind(context, continuations, "context", "continuations", item_param=_indexed)
     for i, continuation in enumerate(continuations):
         param = f"continuations[{i}]"
-        is_text = isinstance(continuation, str)
-        if not is_text and not _is_token_list(continuation):
-            raise ValidationError(
-                "invalid_items",
-                f"{param} must be a str or a list of int token ids, got {continuation!r}",
-                param,
-            )
-        if is_text != text:
-            kinds = ("text", "token ids") if text else ("token ids", "text")
-            raise ValidationError(
-                "mixed_input_types",
-                f"context is {kinds[0]} but {param} is {kinds[1]}; use one kind for both",
-                param,
-            )
-        if is_text:
-            check_text(continuation, param)
         if len(continuation) == 0:
             raise ValidationError(
                 "empty_continuation", f"{param} is empty: there is nothing to score", param

@@ -60,7 +60,11 @@ def score_sequences(
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    attention = functools.partial(decoder.attend, mask=causal)
+
+    def attention(q, k, v, layer):
+        window = decoder.within_window(positions, positions, layer.window)
+        return decoder.attend(q, k, v, causal & window, layer)
+
     hidden = decoder.forward(params, config, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
     return decoder.label_logprobs(params, config, last, label_ids)

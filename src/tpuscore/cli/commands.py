@@ -25,6 +25,7 @@ loaded does too. Status 1 means an environment problem: a missing extra, or no b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import logging
@@ -113,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         "and reference only; docs/batch-invariance.md)",
     )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile afresh, without JAX's persistent compilation cache (default: on, in the "
+        "user cache directory; TPUSCORE_COMPILATION_CACHE=DIR moves it, =off turns it off)",
+    )
 
     # The shared options go on each subcommand only: on the main parser too, a subcommand's
     # defaults would overwrite what was given before it.
@@ -162,6 +169,51 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="unfinished requests (queued or running) beyond which the server answers 503",
     )
+    add(
+        "--request-timeout",
+        type=float,
+        help="seconds a request may wait for its answer (default: no limit); past it the "
+        "server answers 504 without scoring it. A client's X-Request-Timeout header may "
+        "shorten it",
+    )
+    add(
+        "--allowed-hosts",
+        help="comma-separated Host names the server answers, or '*' for any (default: the "
+        "loopback names for a loopback --host, any otherwise)",
+    )
+
+    p = command(
+        "job",
+        _run_job,
+        "score a Parquet, JSON Lines or CSV table of pairs or requests into a table of scores, "
+        "resuming after a crash (docs/jobs.md)",
+    )
+    add = p.add_argument
+    add("input", help="the table: a .parquet, .jsonl or .csv path or fsspec URL")
+    add("--output", required=True, help="the scores: a .parquet (default) or .jsonl directory")
+    add("--query-column", default="query", help="default: query")
+    add(
+        "--item-column",
+        help="one item per row (pair rows) or a list of items (request rows); default: item, "
+        "else items",
+    )
+    add("--id-columns", default="", help="comma-separated columns carried to the output")
+    add("--labels", nargs="+", metavar="LABEL", help='e.g. " yes" " no"; default: per row')
+    add("--label-token-ids", nargs="+", type=int, metavar="ID", help="the labels as token ids")
+    add("--template", help="a prompt template, as rank takes it (plain, qwen3-reranker)")
+    add("--instruction", help="the template's instruction")
+    add("--max-item-tokens", type=int, help="truncate each item to this many tokens")
+    add("--truncate", choices=["right", "left"], help="which end of an item to keep")
+    add(
+        "--on-error",
+        choices=["skip", "fail"],
+        default="skip",
+        help="skip (default): write a bad row to OUTPUT.errors.jsonl and go on; fail: stop",
+    )
+    add("--shard-rows", type=int, default=4096, help="input rows per shard (default 4096)")
+    add("--overwrite", action="store_true", help="start again instead of resuming OUTPUT")
+    add("--progress", action="store_true", help="a progress bar even when stderr is no terminal")
+    add("--quiet", action="store_true", help="no progress bar and no summary line")
 
     p = command(
         "bench",
@@ -252,13 +304,19 @@ def load_scorer(args: argparse.Namespace):
     """The Scorer for --model/--dtype/--backend/--mesh/--profile/--batch-invariant; a model or
     profile that cannot be loaded, or a backend the mode refuses, is bad input."""
     from tpuscore import Scorer, ValidationError
+    from tpuscore.engine import compilation_cache
 
     mesh = parse_mesh(args.mesh)
     try:
         return Scorer.from_pretrained(
-            args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, profile=args.profile,
+            args.model,
+            dtype=args.dtype,
+            backend=args.backend,
+            mesh=mesh,
+            profile=args.profile,
+            compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
             batch_invariant=args.batch_invariant,
-        )  # fmt: skip
+        )
     except ValidationError as e:
         raise InputError(f"--backend {args.backend}: {e}") from None
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
@@ -403,14 +461,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise EnvironmentProblem(
             f"tpuscore serve needs the server extra ({e.name} is missing): "
-            "pip install 'tpuscore[server]'"
+            "pip install -e '.[server]'"
         ) from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
     scorer = load_scorer(args)
     batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
     if args.max_pending is not None:
         batcher_options["max_pending"] = args.max_pending
+    if args.request_timeout is not None:
+        batcher_options["request_timeout_s"] = args.request_timeout
+    if args.allowed_hosts is None:
+        allowed_hosts = server.guards.default_allowed_hosts(args.host)
+    else:
+        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     try:
         app = server.create_app(
             scorer,
@@ -419,6 +484,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_items=args.max_items,
             batcher_options=batcher_options,
+            allowed_hosts=allowed_hosts,
         )
     except ValueError as e:  # a bad flag value: template name, limits
         raise InputError(str(e)) from None
@@ -428,6 +494,88 @@ def _run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     server.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """EnvironmentProblem if `port` on `host` cannot be bound (taken, or not this machine's)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise EnvironmentProblem(
+                f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --port "
+                "(or stop what holds it)"
+            ) from None
+
+
+def _run_job(args: argparse.Namespace) -> int:
+    """`tpuscore job`: checks the table and settings, loads the model, runs `score_table`."""
+    try:
+        from tpuscore import ValidationError, jobs
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"tpuscore job needs the jobs extra ({e.name} is missing): pip install -e '.[jobs]'"
+        ) from None
+    from tpuscore.engine import compilation_cache
+
+    settings = {
+        "query_column": args.query_column,
+        "item_column": args.item_column,
+        "id_columns": [c.strip() for c in args.id_columns.split(",") if c.strip()],
+        "labels": args.labels,
+        "label_token_ids": args.label_token_ids,
+        "template": args.template,
+        "instruction": args.instruction,
+        "max_item_tokens": args.max_item_tokens,
+        "truncate": args.truncate,
+    }
+    backend = None if args.backend == "auto" else args.backend
+    try:
+        jobs.Spec(**settings).layout(jobs.open_table(args.input).schema)  # before the model loads
+        try:
+            scorer = jobs.load_scorer(
+                args.model,
+                dtype=args.dtype,
+                mesh=parse_mesh(args.mesh),
+                profile=args.profile,
+                compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
+                batch_invariant=args.batch_invariant,
+            )
+        except (ValidationError, InputError):
+            raise
+        except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
+            name = "the default model" if args.model is None else repr(args.model)
+            raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
+        summary = jobs.score_table(
+            args.input,
+            args.output,
+            scorer=scorer,
+            model=args.model,
+            backend=backend,
+            on_error=args.on_error,
+            shard_rows=args.shard_rows,
+            overwrite=args.overwrite,
+            show_progress=not args.quiet and (args.progress or sys.stderr.isatty()),
+            **settings,
+        )
+    except ValidationError as e:
+        raise InputError(_validation_message(e)) from None
+    except (jobs.TableError, jobs.RowFailed) as e:
+        raise InputError(str(e)) from None
+    except KeyboardInterrupt:
+        print(
+            "tpuscore job: interrupted; the committed shards stay: run the same command again "
+            "to resume",
+            file=sys.stderr,
+        )
+        raise
+    if not args.quiet:
+        print(summary.line(), file=sys.stderr)
     return 0
 
 
@@ -450,6 +598,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise EnvironmentProblem(
             "tpuscore bench runs benchmarks/bench.py, which ships with the source repository and "
             "not in the wheel: run it from a checkout, or pass --script path/to/bench.py"
+        )
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EnvironmentProblem(
+            f"tpuscore bench times transformers as its baseline, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install torch "
+            "transformers (a CPU build of torch is enough), or pip install -e '.[dev]' in a "
+            "checkout"
         )
     command = [sys.executable, str(script)]
     if not args.full:

@@ -129,6 +129,7 @@ def split(
                 backend=backend,
                 num_tokens=num_tokens,
                 apply_softmax=requests[i].apply_softmax,
+                classification=requests[i].classification,
             )
         )
         start += count

@@ -94,6 +94,8 @@ class Engine:
             tokenizer=self.tokenizer,
             vocab_size=self.config.vocab_size,
             max_sequence_length=self.config.max_position_embeddings,
+            num_classes=self.config.num_labels,
+            pad_token_id=self.config.pad_token_id,
         )
 
     def prepare_batch(self, requests: Sequence[Mapping[str, Any]]) -> list[ScoreRequest]:
@@ -120,7 +122,9 @@ class Engine:
         once with all the groups that picked it. Every group's backend is checked before any
         runs; on_progress, if given, gets the number of requests each backend call completes."""
         name = self.backend_name(backend)
-        results = [ScoreResult.empty(len(r.label_ids), r.apply_softmax) for r in requests]
+        results = [
+            ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
+        ]
         planned = planning.plan(
             requests, name, self.selector, self.backends, batch_invariant=self.batch_invariant
         )

@@ -81,7 +81,8 @@ def warm(
         ids = np.arange(query_len + count * item_len) % pool.model.config.vocab_size
         items = ids[query_len:].reshape(count, item_len).tolist()
         try:
-            request = prepare(ids[:query_len].tolist(), items, ScoreOptions(label_token_ids=[0]))
+            labels = None if pool.model.config.classifier else [0]  # a classifier takes none
+            request = prepare(ids[:query_len].tolist(), items, ScoreOptions(label_token_ids=labels))
         except ValidationError as e:
             raise e.within(where) from None
         requests.append(((query_len, count, item_len), request))

@@ -1,10 +1,17 @@
-"""The decoder forward pass in JAX: Llama, Qwen2 and Qwen3 from one set of pure functions.
+"""The decoder forward pass in JAX: Llama, Qwen2, Qwen3 and Gemma 1-3 from one set of pure
+functions, the differences driven by the config (`models/config.py`).
 
 Axis letters: B batch, T tokens, S keys, N query heads, K kv heads, G = N/K, H head dim,
 D model dim, F MLP dim, V vocab, C labels. Parameters follow `models/weights.py`.
 
 Matmuls run in the parameter dtype and accumulate in float32; norms, RoPE and softmax run in
-float32. The LM head is applied only to the rows being scored, never to every token.
+float32. The head (LM head or classification head) is applied only to the rows being scored,
+never to every token.
+
+Sliding windows: layers are scanned, so a layer's window travels through `lax.scan` as data, a
+per-layer int32 (`layer_windows`: the window of a local layer, `NO_WINDOW` for a global one).
+A token at position i attends to keys at positions j with i - window < j <= i, as transformers'
+sliding-window mask has it. Every mask a backend builds is intersected with `within_window`.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
@@ -41,15 +49,72 @@ def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return out
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm scaled by (offset + w) in float32: offset 1 is Gemma's (1 + w)."""
     x = x.astype(f32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(f32)
+    scale = w.astype(f32) + offset if offset else w.astype(f32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def rope_angles(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, 1, H/2] for integer positions [B, T]."""
-    angles = positions[..., None].astype(f32) * jnp.asarray(rope.inv_frequencies(config))
+def _norm(config: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+    return rms_norm(x, w, config.rms_norm_eps, config.norm_offset)
+
+
+def rope_angles(
+    config: ModelConfig, positions: jax.Array, local: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, H/2] for integer positions [B, T] (local: a sliding layer's RoPE)."""
+    inv_freq = jnp.asarray(rope.inv_frequencies(config, local))
+    angles = positions[..., None].astype(f32) * inv_freq
     return jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+
+
+NO_WINDOW = np.iinfo(np.int32).max  # a global layer's window: every earlier key
+
+
+class LayerAttention(NamedTuple):
+    """What a layer's attention needs besides q, k and v.
+
+    window: this layer's key window, an int32 scalar traced through the layer scan (`NO_WINDOW`
+    on a global layer), or None where the model has no sliding layer. scale: Gemma's
+    query_pre_attn_scalar ** -0.5, or None for the usual head_dim ** -0.5. softcap: Gemma 2's
+    tanh cap on the scores, or None.
+    """
+
+    window: jax.Array | None
+    scale: float | None
+    softcap: float | None
+
+
+def layer_windows(config: ModelConfig) -> np.ndarray:
+    """Each layer's key window [L] int32: sliding_window on local layers, NO_WINDOW elsewhere."""
+    local = np.asarray(config.local_layers or [False] * config.num_layers, bool)
+    return np.where(local, config.sliding_window or NO_WINDOW, NO_WINDOW).astype(np.int32)
+
+
+def attention_scale(config: ModelConfig) -> float | None:
+    """The score scale where it is not head_dim ** -0.5 (Gemma), else None."""
+    scalar = config.query_pre_attn_scalar
+    return None if scalar is None else float(scalar) ** -0.5
+
+
+def within_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | None) -> jax.Array:
+    """Mask [..., T, S]: key position k_pos [..., S] is inside the window of query position
+    q_pos [..., T] (k > q - window); all True for window None. Causality is the caller's."""
+    if window is None:
+        return jnp.ones((*q_pos.shape, k_pos.shape[-1]), bool)
+    return k_pos[..., None, :] > q_pos[..., :, None] - window
+
+
+def _scores(q: jax.Array, k: jax.Array, layer: LayerAttention | None) -> jax.Array:
+    """q [..., T, H] @ k [..., H, S], scaled and soft-capped as the layer says."""
+    if layer is None or layer.scale is None:
+        scores = _matmul(q, k) / jnp.sqrt(q.shape[-1])
+    else:
+        scores = _matmul(q, k) * layer.scale
+    if layer is not None and layer.softcap is not None:
+        scores = jnp.tanh(scores / layer.softcap) * layer.softcap
+    return scores
 
 
 def _masked_exp(scores: jax.Array, mask: jax.Array):
@@ -68,7 +133,9 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=precision, preferred_element_type=f32)
 
 
-def _own_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+def _own_parts(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, layer: LayerAttention | None = None
+):
     """Attention of q [B,T,N,H] to k/v [B,S,K,H] under mask [B,T,S], unnormalized.
 
     Returns o [B,T,K,G,H] (sum of exp-weighted values), max and exp sum [B,T,K,G,1]. GQA
@@ -78,18 +145,26 @@ def _own_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     S, K = k.shape[1], k.shape[2]
     G = N // K
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    scores = _matmul(q, k.transpose(0, 2, 3, 1)) / jnp.sqrt(H)
-    scores = scores.reshape(B, K, G, T, S)
+    scores = _scores(q, k.transpose(0, 2, 3, 1), layer).reshape(B, K, G, T, S)
     m, e, total = _masked_exp(scores, mask[:, None, None])
     o = _matmul(e.reshape(B, K, G * T, S).astype(v.dtype), v.transpose(0, 2, 1, 3))
     to_btkg = lambda x: x.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)  # noqa: E731
     return to_btkg(o), to_btkg(m), to_btkg(total)
 
 
-def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix_mask: jax.Array):
+def _prefix_parts(
+    q: jax.Array,
+    prefix_k: jax.Array,
+    prefix_v: jax.Array,
+    prefix_mask: jax.Array,
+    layer: LayerAttention | None = None,
+    positions: jax.Array | None = None,
+):
     """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
 
-    prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. The B*T query tokens meet the prefix in
+    prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. With a window (layer.window not None),
+    the tokens' positions [T] (the same in every row) limit each to the prefix keys inside its
+    window. The B*T query tokens meet the prefix in
     [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the prefix is never copied per row.
     Blocks keep the float32 scores small enough to stay in cache between the two matmuls and the
     exp, which on CPU would otherwise be bound by memory. Returns o [B,T,K,G,H], max and exp sum
@@ -100,16 +175,24 @@ def _prefix_parts(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Array, prefix
     G = N // K
     t = score_block_tokens(B * T, bytes_per_token=N * P * 4)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
+    windowed = layer is not None and layer.window is not None
+    # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[i].
+    block_pos = jnp.tile(positions, B).reshape(-1, t) if windowed else jnp.zeros((len(q), 1))
 
-    def block(q):
-        scores = _matmul(q, prefix_k) / jnp.sqrt(H)
-        m, e, total = _masked_exp(scores, prefix_mask)
+    def block(args):
+        q, pos = args
+        scores = _scores(q, prefix_k, layer)  # [K, G*t, P]
+        mask = prefix_mask
+        if windowed:  # [t, P], repeated over the G query heads of each token
+            window = within_window(pos, jnp.arange(P), layer.window) & prefix_mask
+            mask = jnp.broadcast_to(window, (G, t, P)).reshape(G * t, P)
+        m, e, total = _masked_exp(scores, mask)
         return _matmul(e.astype(prefix_v.dtype), prefix_v), m, total
 
     def to_btkg(x):
         return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
 
-    return tuple(map(to_btkg, jax.lax.map(block, q)))
+    return tuple(map(to_btkg, jax.lax.map(block, (q, block_pos))))
 
 
 def _merge(*parts) -> jax.Array:
@@ -122,11 +205,15 @@ def _merge(*parts) -> jax.Array:
     return (o / total).reshape(B, T, K * G, H)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, layer: LayerAttention | None = None
+) -> jax.Array:
     """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H].
 
-    Every row of the mask must allow at least one key (padding rows: their own position)."""
-    return _merge(_own_parts(q, k, v, mask))
+    layer: the scale and soft-cap (None: head_dim ** -0.5, no cap); its window must already be
+    in the mask (`within_window`). Every row of the mask must allow at least one key (padding
+    rows: their own position)."""
+    return _merge(_own_parts(q, k, v, mask, layer))
 
 
 class Prefix(NamedTuple):
@@ -144,15 +231,15 @@ class Prefix(NamedTuple):
 
 def _qkv(config: ModelConfig, x, p, cos, sin):
     dtype = p["wq"].dtype
-    h = rms_norm(x, p["attn_norm"], config.rms_norm_eps)
+    h = _norm(config, x, p["attn_norm"])
     q = _dot("btd,dnh->btnh", h, p["wq"])
     k = _dot("btd,dkh->btkh", h, p["wk"])
     v = _dot("btd,dkh->btkh", h, p["wv"])
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+        q = _norm(config, q, p["q_norm"])
+        k = _norm(config, k, p["k_norm"])
     q = rope.rotate(q, cos, sin, xp=jnp).astype(dtype)
     k = rope.rotate(k, cos, sin, xp=jnp).astype(dtype)
     return q, k, v.astype(dtype)
@@ -163,14 +250,52 @@ def _finish(config: ModelConfig, x, o, p):
     attn = _dot("btnh,nhd->btd", o, p["wo"])
     if config.o_bias:
         attn = attn + p["bo"]
+    if config.sandwich_norms:
+        attn = _norm(config, attn, p["post_attn_norm"])
     x = x + attn
-    h = rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
+    h = _norm(config, x, p["mlp_norm"])
     gate = _dot("btd,df->btf", h, p["w_gate"])
     up = _dot("btd,df->btf", h, p["w_up"])
-    return x + _dot("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+    act = jax.nn.silu(gate) if config.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    mlp = _dot("btf,fd->btd", act * up, p["w_down"])
+    if config.sandwich_norms:
+        mlp = _norm(config, mlp, p["post_mlp_norm"])
+    return x + mlp
 
 
-Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    x = params["embed"][tokens].astype(f32)
+    if config.embed_scale != 1.0:  # rounded to the weights' dtype first, as transformers does
+        x = x * jnp.asarray(config.embed_scale, params["embed"].dtype).astype(f32)
+    return x
+
+
+def _layer_inputs(config: ModelConfig, positions: jax.Array):
+    """What the layer scan carries per layer besides the weights: the window [L] (None without
+    sliding layers), and each layer's RoPE (cos, sin), chosen between global and local."""
+    if not config.windowed:
+        return None, rope_angles(config, positions)
+    windows = jnp.asarray(layer_windows(config))
+    if config.rope_local_theta is None:
+        return windows, rope_angles(config, positions)
+    return windows, (rope_angles(config, positions), rope_angles(config, positions, local=True))
+
+
+def _layer_rope(config: ModelConfig, angles, window):
+    """This layer's (cos, sin) from `_layer_inputs`' angles."""
+    if window is None or config.rope_local_theta is None:
+        return angles
+    (cos, sin), (local_cos, local_sin) = angles
+    local = window != NO_WINDOW
+    return jnp.where(local, local_cos, cos), jnp.where(local, local_sin, sin)
+
+
+def _layer_attention(config: ModelConfig, window) -> LayerAttention:
+    return LayerAttention(window, attention_scale(config), config.attn_logit_softcap)
+
+
+# attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention) -> [B,T,N,H]
+Attention = Callable[..., jax.Array]
 
 
 def forward(
@@ -182,15 +307,19 @@ def forward(
 ) -> jax.Array:
     """Final hidden states [B, T, D] (before the final norm) for tokens [B, T].
 
-    attention maps q [B,T,N,H] and k/v [B,T,K,H] to [B,T,N,H], e.g. `attend` under a mask.
+    attention maps q [B,T,N,H], k/v [B,T,K,H] and the layer's `LayerAttention` to [B,T,N,H],
+    e.g. `attend` under a mask intersected with `within_window` of the positions.
     """
-    cos, sin = rope_angles(config, positions)
+    windows, angles = _layer_inputs(config, positions)
 
-    def step(x, p):
+    def step(x, layer):
+        p, window = layer
+        cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
-        return _finish(config, x, attention(q, k, v), p), None
+        o = attention(q, k, v, _layer_attention(config, window))
+        return _finish(config, x, o, p), None
 
-    x, _ = jax.lax.scan(step, params["embed"][tokens].astype(f32), params["layers"])
+    x, _ = jax.lax.scan(step, _embed(params, config, tokens), (params["layers"], windows))
     return x
 
 
@@ -211,7 +340,8 @@ def extend(
     length [Q]; `stack_prefixes`) and row b continues prefix rows[b], gathered per row.
 
     Row tokens sit at positions prefix length + [0, T) and attend to the whole prefix plus their
-    own row under mask [B, T, T] (which must allow each token itself). The two attention parts are
+    own row under mask [B, T, T] (which must allow each token itself), both cut to the layer's
+    window on sliding layers. The two attention parts are
     merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
@@ -219,24 +349,29 @@ def extend(
     B, T = tokens.shape
     length = prefix.length if rows is None else prefix.length[rows][:, None]  # [] or [B, 1]
     positions = jnp.broadcast_to(length + jnp.arange(T), (B, T))
-    cos, sin = rope_angles(config, positions)
-    prefix_mask = jnp.arange(prefix.k.shape[-1]) < length  # [P] or [B, P]
+    windows, angles = _layer_inputs(config, positions)
+    P = prefix.k.shape[-1]
+    prefix_mask = jnp.arange(P) < length  # [P] or [B, P]
 
-    def prefix_parts(q, prefix_k, prefix_v):
+    def prefix_parts(q, prefix_k, prefix_v, layer):
         if rows is None:
-            return _prefix_parts(q, prefix_k, prefix_v, prefix_mask)
+            return _prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions[0])
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
-        return _own_parts(q, k, v, jnp.broadcast_to(prefix_mask[:, None], (B, T, k.shape[1])))
+        own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
+        return _own_parts(q, k, v, own_mask, layer)
 
-    def step(x, layer):
-        p, prefix_k, prefix_v = layer
+    def step(x, layer_inputs):
+        p, prefix_k, prefix_v, window = layer_inputs
+        layer = _layer_attention(config, window)
+        cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
-        o = _merge(prefix_parts(q, prefix_k, prefix_v), _own_parts(q, k, v, mask))
+        own_mask = mask & within_window(positions, positions, window)
+        o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
-    x = params["embed"][tokens].astype(f32)
-    return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v))
+    x = _embed(params, config, tokens)
+    return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v, windows))
 
 
 def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
@@ -269,28 +404,37 @@ def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
     )
 
 
-def _vocab_logprobs(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """log P(token) over the full vocabulary [B, V] from the hidden states [B, D]."""
-    h = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
+def _head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """The head's output [B, V] for the hidden states [B, D]: log P(token) over the full
+    vocabulary; for a classification model, its class logits [B, num_labels] instead."""
+    h = _norm(config, hidden, params["final_norm"])
+    if config.classifier:
+        return _dot("bd,dc->bc", h, params["score"])
     if config.tie_word_embeddings:
         logits = _dot("bd,vd->bv", h, params["embed"])
     else:
         logits = _dot("bd,dv->bv", h, params["lm_head"])
+    if config.final_logit_softcap is not None:
+        logits = jnp.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
     return jax.nn.log_softmax(logits, axis=-1)
 
 
 def label_logprobs(
     params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
 ) -> jax.Array:
-    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows."""
-    return _vocab_logprobs(params, config, hidden)[:, label_ids]
+    """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows.
+
+    For a classification model, label_ids are class indices and the result is those classes'
+    logits (validation makes them every class in order)."""
+    return _head(params, config, hidden)[:, label_ids]
 
 
 def row_label_logprobs(
     params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
 ) -> jax.Array:
-    """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C]."""
+    """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C] (class
+    logits for a classification model, as `label_logprobs`)."""
     B, slots, D = hidden.shape
-    logprobs = _vocab_logprobs(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
+    logprobs = _head(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
     index = jnp.broadcast_to(label_ids[:, None, :], (B, slots, label_ids.shape[1]))
     return jnp.take_along_axis(logprobs, index, axis=2)

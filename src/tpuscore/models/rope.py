@@ -9,10 +9,17 @@ import numpy as np
 from tpuscore.models.config import ModelConfig
 
 
-def inv_frequencies(config: ModelConfig) -> np.ndarray:
-    """Per-pair rotation frequencies [H/2] (float32), with the config's RoPE scaling applied."""
+def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """Per-pair rotation frequencies [H/2] (float32), with the config's RoPE scaling applied.
+
+    local: for a sliding-window layer, which rotates with its own base and no scaling where the
+    config has one (`rope_local_theta`, Gemma 3), else as the global layers do.
+    """
     H = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    exponents = np.arange(0, H, 2, dtype=np.float64) / H
+    if local and config.rope_local_theta is not None:
+        return (1.0 / config.rope_local_theta**exponents).astype(np.float32)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_type == "linear":
         inv_freq = inv_freq / config.rope_factor
     elif config.rope_type == "llama3":

@@ -4,11 +4,18 @@ Every layer's weights are stacked on a leading L axis so the decoder scans over 
 compiled layer, not L copies). Axis letters: L layers, V vocab, D model, F MLP, N query heads,
 K kv heads, H head dim.
 
-    embed [V, D]   final_norm [D]   lm_head [D, V] (untied checkpoints only)
+    embed [V, D]   final_norm [D]   lm_head [D, V] (untied causal LMs only)
+    score [D, C] (classification heads only, C = num_labels)
     layers/attn_norm [L, D]   wq [L, D, N, H]   wk, wv [L, D, K, H]   wo [L, N, H, D]
            bq [L, N, H], bk, bv [L, K, H] (qkv_bias)   bo [L, D] (o_bias)
            q_norm, k_norm [L, H] (qk_norm)
            mlp_norm [L, D]   w_gate, w_up [L, D, F]   w_down [L, F, D]
+           post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
+
+Norm weights are stored as the checkpoint has them: Gemma's (1 + w) is the decoder's business
+(`config.norm_offset`), so it is added in float32 whatever the parameter dtype, as transformers
+does. Gemma 2 and 3 reuse the name post_attention_layernorm for the norm *after* attention; their
+MLP's input norm is pre_feedforward_layernorm.
 
 GGUF checkpoints are renamed to Hugging Face names first (`models/gguf.py`), so this table is
 the only place that knows where a checkpoint tensor lands.
@@ -54,8 +61,12 @@ def param_shapes(config: ModelConfig) -> Params:
         layers["bo"] = (L, D)
     if config.qk_norm:
         layers |= {"q_norm": (L, H), "k_norm": (L, H)}
+    if config.sandwich_norms:
+        layers |= {"post_attn_norm": (L, D), "post_mlp_norm": (L, D)}
     shapes: Params = {"embed": (V, D), "final_norm": (D,), "layers": layers}
-    if not config.tie_word_embeddings:
+    if config.classifier:
+        shapes["score"] = (D, config.num_labels)
+    elif not config.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
 
@@ -91,11 +102,18 @@ def _layer_table(config: ModelConfig) -> dict[str, tuple[str, Callable]]:
         "self_attn.k_proj.weight": ("wk", _linear(heads=K)),
         "self_attn.v_proj.weight": ("wv", _linear(heads=K)),
         "self_attn.o_proj.weight": ("wo", _linear(out_heads=N)),
-        "post_attention_layernorm.weight": ("mlp_norm", _identity),
         "mlp.gate_proj.weight": ("w_gate", _linear()),
         "mlp.up_proj.weight": ("w_up", _linear()),
         "mlp.down_proj.weight": ("w_down", _linear()),
     }
+    if config.sandwich_norms:
+        table |= {
+            "post_attention_layernorm.weight": ("post_attn_norm", _identity),
+            "pre_feedforward_layernorm.weight": ("mlp_norm", _identity),
+            "post_feedforward_layernorm.weight": ("post_mlp_norm", _identity),
+        }
+    else:
+        table["post_attention_layernorm.weight"] = ("mlp_norm", _identity)
     if config.qkv_bias:
         table |= {
             "self_attn.q_proj.bias": ("bq", _split_heads(N)),
@@ -123,14 +141,16 @@ def params_from_checkpoint(
         "model.embed_tokens.weight": ("embed", _identity),
         "model.norm.weight": ("final_norm", _identity),
     }
-    if not config.tie_word_embeddings:
+    if config.classifier:
+        top["score.weight"] = ("score", _linear())
+    elif not config.tie_word_embeddings:
         top["lm_head.weight"] = ("lm_head", _linear())
     layer_table = _layer_table(config)
     expected = set(top) | {
         f"model.layers.{i}.{suffix}" for i in range(config.num_layers) for suffix in layer_table
     }
     # A tied checkpoint may still carry a copy of the embedding as lm_head; it is unused.
-    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    optional = {"lm_head.weight"} if config.tie_word_embeddings and not config.classifier else set()
     present = {name for name in tensors if not _IGNORED.match(name)}
     missing = sorted(expected - present)
     unexpected = sorted(present - expected - optional)

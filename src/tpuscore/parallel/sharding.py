@@ -141,15 +141,16 @@ class Layout:
         )
 
     def over_shards(self, kernel: Callable) -> Callable:
-        """kernel(q, k, v, prefix_len, seg_start) (q/k/v [B, heads, T, H], prefix_len [B],
-        seg_start [B, T]) run on every device for its own rows and heads."""
+        """kernel(q, k, v, prefix_len, seg_start, window) (q/k/v [B, heads, T, H], prefix_len
+        [B], seg_start [B, T], window [] replicated) run on every device for its own rows and
+        heads."""
         if self.mesh is None:
             return kernel
         heads, rows = P(DATA, MODEL), P(DATA)
         return jax.shard_map(
             kernel,
             mesh=self.mesh,
-            in_specs=(heads, heads, heads, rows, rows),
+            in_specs=(heads, heads, heads, rows, rows, P()),
             out_specs=heads,
             check_vma=False,  # a pallas_call carries no varying-axis annotations
         )

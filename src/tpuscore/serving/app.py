@@ -5,7 +5,9 @@
 Endpoints (docs/serving.md has the request and response of each; `GET /openapi.json` publishes
 them, `GET /docs` shows them):
 
-- POST /v1/score: SGLang's scoring request and response.
+- POST /v1/score and /score: SGLang's scoring request and response, or vLLM's (text_1/text_2,
+  queries/documents, data_1/data_2), told apart by their fields.
+- POST /tokenize and /detokenize: vLLM's, under the served model's tokenizer.
 - POST /v1/rerank and /rerank: the Cohere v1 / Jina rerank shape, as vLLM serves it.
 - POST /v2/rerank: Cohere's v2 rerank shape.
 - GET /health, GET /v1/models, GET /metrics (Prometheus text).
@@ -14,8 +16,11 @@ The wire format is `serving/protocol.py`'s models; this module wires them to the
 handler is thin: FastAPI parses the body into its model, the handler calls the Batcher and
 builds the response model. Errors become tpuscore's error body in one place each: a request
 that fails its model (`RequestValidationError`), one the library refuses (`ValidationError`), a
-full queue (`Overloaded`: 503 with Retry-After), HTTP errors (413 over max_body_bytes, 404,
-405), and a bug (500, logged; the server keeps serving).
+full queue (`Overloaded`: 503 with Retry-After), a request past its deadline
+(`DeadlineExceeded`: 504), a client that left (`ClientDisconnected`: counted as 499, logged at
+INFO, nothing sent), HTTP errors (413 over max_body_bytes, 404, 405, 400 for a foreign Host),
+and a bug (500, logged; the server keeps serving). `guards.py` holds the deadline, disconnect,
+Host and JSON-depth checks.
 
 uvicorn is the reference ASGI server: one process, one event loop, so requests from many
 connections are parsed concurrently and meet in the `Batcher`, which hands the model batches
@@ -30,9 +35,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +48,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
-from tpuscore.api import templates
+from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import protocol
-from tpuscore.serving.batcher import Batcher, Overloaded
+from tpuscore.serving import guards, protocol
+from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
 
@@ -65,7 +72,7 @@ RETRY_AFTER_S = 1
 # The library calls a rerank's documents `items`; its errors name them as the wire does.
 RERANK_PARAMS = {"items": "documents"}
 
-ERROR_TYPES = {500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def error_response(
@@ -126,10 +133,13 @@ class JsonRequest(Request):
             if declared.isdigit() and int(declared) > limit:
                 raise too_large(limit)
             body = bytearray()
-            async for chunk in self.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise too_large(limit)
+            try:
+                async for chunk in self.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large(limit)
+            except ClientDisconnect:  # mid-body
+                raise guards.ClientDisconnected() from None
             self._body = bytes(body)
         return self._body
 
@@ -144,8 +154,8 @@ class JsonRequest(Request):
                 )
             body = await self.body()
             try:
-                value = json.loads(body)
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+                value = guards.parse_json(body)
+            except ValueError as e:  # guards.JsonTooDeep too
                 raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
             if not isinstance(value, dict):
                 raise ApiError(
@@ -203,12 +213,18 @@ class Service:
                 self.template = templates.get(rerank_template)
             except ValueError as e:  # ValidationError: unknown_template
                 raise ValueError(f"--rerank-template: {e}") from None
+        # A classification model ranks by its own classes: the template renders the text and
+        # supplies the item suffix, not the labels; the relevant class is the only one, else the
+        # last (LABEL_1 of a binary classifier).
+        classes = scorer.config.num_labels
+        self.labels = None if classes else list(self.template.labels)
+        self.positive = max(classes - 1, 0)
         try:  # a template whose labels are not single tokens here would fail every rerank
             t = self.template
             scorer.prepare(
                 t.render_query("query"),
                 [t.render_item("document")],
-                labels=list(t.labels),
+                labels=self.labels,
                 item_suffix=t.item_suffix,
             )
         except ValidationError as e:
@@ -223,11 +239,13 @@ class Service:
         self.created = int(time.time())
 
     async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
-        """SGLang's scoring: P(label | query + item) for each item and label."""
+        """SGLang's scoring: P(label | query + item) for each item and label; on a classification
+        model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
+        class) with apply_softmax, as SGLang scores SequenceClassification models."""
         items = [body.items] if isinstance(body.items, str) else body.items
         self.check_count(items, "items")
-        result = await self.batcher.score_async(
-            query=body.query, items=items, **protocol.score_options(body)
+        result = await self.scored(
+            request, query=body.query, items=items, **protocol.score_options(body)
         )
         self.metrics.scored(request.url.path, len(items), result)
         response = protocol.ScoreResponse(
@@ -239,13 +257,15 @@ class Service:
 
     async def rerank_v1(self, request: Request, body: protocol.RerankRequest) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v1, Jina, vLLM)."""
-        ranked, result = await self.rerank(body)
+        ranked, result = await self.rerank(request, body)
         self.metrics.scored(request.url.path, len(body.documents), result)
         results = [
             protocol.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
-                document=protocol.RerankDocument(text=r.item) if body.return_documents else None,
+                document=protocol.RerankDocument.of(body.originals[r.index])
+                if body.return_documents
+                else None,
             )
             for r in ranked
         ]
@@ -259,7 +279,7 @@ class Service:
 
     async def rerank_v2(self, request: Request, body: protocol.RerankV2Request) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v2)."""
-        ranked, result = await self.rerank(body)
+        ranked, result = await self.rerank(request, body, fit=True)
         self.metrics.scored(request.url.path, len(body.documents), result)
         tokens = protocol.BilledUnits(input_tokens=result.num_tokens)
         response = protocol.RerankV2Response(
@@ -274,27 +294,165 @@ class Service:
         )
         return JSONResponse(response.model_dump())
 
-    async def rerank(self, body: protocol.RerankRequest | protocol.RerankV2Request):
+    async def rerank(
+        self,
+        request: Request,
+        body: protocol.RerankRequest | protocol.RerankV2Request,
+        *,
+        fit: bool = False,
+    ):
         """(ranked documents, ScoreResult) under the server's template.
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
-        computes it; `top_n` null or 0 returns every document (vLLM's default is 0)."""
+        computes it, or on a classification model the relevant class's probability; `top_n` null
+        or 0 returns every document (vLLM's default is 0). With fit, each document is also cut
+        to what fits beside the query (Cohere's v2 behaviour) instead of failing
+        sequence_too_long."""
         docs = body.documents
         self.check_count(docs, "documents")
         t = self.template
+        query = t.render_query(body.query, instruction=body.instruction)
+        max_tokens = body.max_tokens_per_doc
+        if fit and self.scorer.tokenizer is not None:
+            room = await asyncio.to_thread(self.room_beside, query)
+            if room >= 1:  # else the query alone is too long: sequence_too_long says so
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
         try:
-            result = await self.batcher.score_async(
-                query=t.render_query(body.query, instruction=body.instruction),
+            result = await self.scored(
+                request,
+                query=query,
                 items=[t.render_item(doc) for doc in docs],
-                labels=list(t.labels),
+                labels=self.labels,
                 item_suffix=t.item_suffix,
-                max_item_tokens=body.max_tokens_per_doc,
+                max_item_tokens=max_tokens,
                 truncate="right",
             )
         except ValidationError as e:
             raise wire_names(e, RERANK_PARAMS) from None
-        ranked = ranking.rank_result(result, docs, positive=0, top_k=body.top_n or None)
+        ranked = ranking.rank_result(result, docs, positive=self.positive, top_k=body.top_n or None)
         return ranked, result
+
+    def room_beside(self, rendered_query: str) -> int:
+        """A document's most tokens beside this query under the template: the model's positions
+        less the query's and the item suffix's tokens."""
+        tokenizer = self.scorer.tokenizer
+        query = tokenization.encode_query(tokenizer, rendered_query)
+        suffix = tokenization.encode_suffix(tokenizer, self.template.item_suffix or "")
+        return self.scorer.config.max_position_embeddings - len(query) - len(suffix)
+
+    async def scored(self, request: Request, **score_kwargs: Any):
+        """The Batcher's result for this HTTP request, under its deadline (the header, at most
+        the server's), dropped unscored if its client disconnects first."""
+        timeout_s = guards.request_timeout(request.headers, self.batcher.request_timeout_s)
+        work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
+        return await guards.unless_disconnected(request.receive, work)
+
+    async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
+        """SGLang's or vLLM's score request, told apart by their fields."""
+        if isinstance(body, protocol.ScoreRequest):
+            return await self.score(request, body)
+        return await self.score_pairs(request, body)
+
+    async def score_pairs(
+        self,
+        request: Request,
+        body: protocol.VllmTextScoreRequest
+        | protocol.VllmQueriesScoreRequest
+        | protocol.VllmDataScoreRequest,
+    ) -> Response:
+        """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
+        the same pair (the server's template and labels)."""
+        pairs = body.pairs()
+        self.check_count(pairs, body.SIDES[1])
+        by_query: dict[str, list[int]] = {}
+        for i, (query, _) in enumerate(pairs):
+            by_query.setdefault(query, []).append(i)
+        groups = list(by_query.items())
+        results = await asyncio.gather(
+            *(
+                self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
+                for query, indexes in groups
+            )
+        )
+        scores = [0.0] * len(pairs)
+        num_tokens = 0
+        for (_, indexes), result in zip(groups, results, strict=True):
+            num_tokens += result.num_tokens
+            for ranked in ranking.rank_result(result, indexes, positive=self.positive):
+                scores[ranked.item] = ranked.score  # as /v1/rerank scores the pair
+            self.metrics.scored(request.url.path, len(indexes), result)
+        response = protocol.VllmScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            data=[protocol.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
+            usage=protocol.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def relevance(
+        self,
+        request: Request,
+        query: str,
+        docs: list[str],
+        sides: tuple[str, str],
+        indexes: list[int],
+    ):
+        """The ScoreResult of docs against query under the server's template and labels, which
+        `ranking.rank_result` turns into the relevance scores a rerank gives. An error names the
+        wire's fields, a document by its pair's index (docs[j] is pair indexes[j])."""
+        t = self.template
+        try:
+            return await self.scored(
+                request,
+                query=t.render_query(query),
+                items=[t.render_item(doc) for doc in docs],
+                labels=self.labels,
+                item_suffix=t.item_suffix,
+            )
+        except ValidationError as e:
+            if e.param and (m := re.fullmatch(r"items\[(\d+)\](.*)", e.param)):
+                param = f"{sides[1]}[{indexes[int(m[1])]}]{m[2]}"
+                raise ValidationError(e.code, str(e), param) from None
+            raise wire_names(e, {"query": sides[0], "items": sides[1]}) from None
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
+        """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("prompt")
+        validation.check_text(body.prompt, "prompt")
+        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        response = protocol.TokenizeResponse(
+            count=len(encoding.ids),
+            max_model_len=self.scorer.config.max_position_embeddings,
+            tokens=encoding.ids,
+            token_strs=encoding.tokens if body.return_token_strs else None,
+        )
+        return JSONResponse(response.model_dump())
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
+        tokenizer = self.require_tokenizer("tokens")
+        vocab_size = self.scorer.config.vocab_size
+        for j, t in enumerate(body.tokens):
+            if not 0 <= t < vocab_size:
+                code = "token_id_negative" if t < 0 else "token_id_exceeds_vocab"
+                raise ValidationError(
+                    code,
+                    f"tokens[{j}] is {t}; the model's vocabulary has {vocab_size} tokens "
+                    f"(ids 0..{vocab_size - 1})",
+                    "tokens",
+                )
+        prompt = tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse(protocol.DetokenizeResponse(prompt=prompt).model_dump())
+
+    def require_tokenizer(self, param: str):
+        if self.scorer.tokenizer is None:
+            raise ValidationError(
+                "invalid_argument",
+                "this server's model has no tokenizer: it takes token ids only",
+                param,
+            )
+        return self.scorer.tokenizer
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""
@@ -346,6 +504,24 @@ async def input_refused(request: Request, exc: ValidationError) -> Response:
 async def overloaded(request: Request, exc: Overloaded) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)}
     return error_response(503, "overloaded", str(exc), headers=headers)
+
+
+async def deadline_exceeded(request: Request, exc: DeadlineExceeded) -> Response:
+    return error_response(504, "deadline_exceeded", str(exc))
+
+
+async def client_left(request: Request, exc: guards.ClientDisconnected) -> Response:
+    """Nobody reads this answer: its status is for the metrics (499) and the log."""
+    logger.info("%s %s: the client disconnected; dropped", request.method, request.url.path)
+    return Response(status_code=guards.CLIENT_CLOSED)
+
+
+def foreign_host(host: str) -> Response:
+    message = (
+        f"this server does not answer to the host {host!r}; "
+        "start it with --allowed-hosts naming it (or '*')"
+    )
+    return error_response(400, "invalid_host", message, "Host")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -402,6 +578,7 @@ POST_ERRORS: dict[int | str, dict[str, Any]] = {
         "description": "the queue is full; retry after Retry-After seconds",
         "headers": {"Retry-After": {"schema": {"type": "integer"}}},
     },
+    504: {**ERROR_CONTENT, "description": "not scored within the request's deadline"},
 }
 
 
@@ -414,13 +591,16 @@ def create_app(
     max_items: int = DEFAULT_MAX_ITEMS,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
+    allowed_hosts: Collection[str] | None = None,
 ) -> FastAPI:
     """The ASGI app serving `scorer`.
 
     rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
-    builds a Batcher from batcher_options (keyword arguments of `Batcher`) and closes it at
-    shutdown, unless given one to share, which the caller closes. Raises ValueError for an
-    unknown template name or a limit below 1."""
+    builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
+    `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
+    to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
+    `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
+    `tpuscore serve` does). Raises ValueError for an unknown template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -456,7 +636,10 @@ def create_app(
     app.state.service = service
 
     scoring = [  # (path, handler, response model): POST, the body a JSON object
-        ("/v1/score", service.score, protocol.ScoreResponse),
+        ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
+        ("/tokenize", service.tokenize, protocol.TokenizeResponse),
+        ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
         ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
@@ -482,8 +665,12 @@ def create_app(
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(ValidationError, input_refused)
     app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(DeadlineExceeded, deadline_exceeded)
+    app.add_exception_handler(guards.ClientDisconnected, client_left)
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(CountedAndGuarded, metrics=service.metrics, counted=counted)
+    if allowed_hosts is not None:
+        app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     app.openapi = _without_422(app)
     return app
 

@@ -1,4 +1,4 @@
-"""A request batcher for services: concurrent callers share device steps.
+"""A request batcher for services: concurrent callers share device steps, within bounds.
 
 A ranking service receives many small concurrent requests, each a query and a page of items. Run
 one by one, each is a device step of a few hundred tokens on a chip built for far more. The
@@ -6,14 +6,27 @@ one by one, each is a device step of a few hundred tokens on a chip built for fa
 scorer together, the shape of Ray Serve's `@serve.batch` and TEI's queue: a bounded queue, one
 worker thread, a future back to each caller.
 
-    with Batcher(scorer, max_wait_ms=2.0) as batcher:
+    with Batcher(scorer, max_wait_ms=2.0, request_timeout_s=30) as batcher:
         result = batcher.score(query=q, items=items, labels=[" yes", " no"])  # from any thread
         result = await batcher.score_async(query=q, items=items, labels=[" yes", " no"])
 
-A request is validated when it is submitted (as `scorer.prepare` does), in the caller's thread,
-so a bad input raises at its caller and never reaches a batch. The worker runs each batch as one
-`scorer.run` call per backend named in it; a failure there fails the requests of that call only,
-and the worker goes on with the next batch.
+A long-lived service bounds everything it holds, and spends no work on a request nobody waits for:
+
+- Admission before cost: a submission is refused (`Overloaded`) on queue depth and on a token
+  estimate from the text's byte length, before anything is tokenized. Then the request is
+  validated and tokenized (as `scorer.prepare` does): in the caller's thread for `submit` and
+  `score`, in a small bounded thread pool for `score_async`, so an event loop keeps serving
+  meanwhile. A bad input raises at its caller and never reaches a batch.
+- Deadlines and cancellation: a request carries a deadline (`timeout_s`, default the batcher's
+  `request_timeout_s`). At its deadline its future fails with `DeadlineExceeded`; a caller may
+  cancel its future (`score_async` does when its task is cancelled, as on a client disconnect).
+  Either way the request is dropped from the queue before its next step runs, never scored.
+- Fairness: the worker schedules by tokens. Each batch takes at most `max_request_step_tokens`
+  of one request's query and item tokens, and a request with items left goes back to the end
+  of the queue, so a 4,096-item request runs as a series of steps between which small requests
+  run: a small request waits at most about two batches, not the whole large request.
+- A failure is contained: the worker runs each batch as one `scorer.run` call per backend named
+  in it, and a failure there fails the requests of that call only.
 """
 
 from __future__ import annotations
@@ -21,11 +34,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import heapq
+import itertools
 import logging
+import math
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
+
+import attrs
+import numpy as np
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
@@ -40,45 +59,89 @@ logger = logging.getLogger(__name__)
 # still finishes in tens of milliseconds there. The backends split a batch into steps by their own
 # memory budgets, so this bounds the wait of a batch's last request, not device memory.
 DEFAULT_MAX_BATCH_TOKENS = 8192
+# Bytes of text per token in the admission estimate: English BPE text averages about 4 bytes a
+# token. An estimate only; the exact count replaces it once the request is tokenized.
+ESTIMATE_BYTES_PER_TOKEN = 4
+# Threads that tokenize `score_async` requests. Tokenizers release the GIL while they encode, so
+# two keep an event loop responsive while using the spare cores; more only queue behind the GIL.
+DEFAULT_TOKENIZE_WORKERS = 2
 
 
 class Overloaded(RuntimeError):
-    """The batcher already holds `max_pending` unfinished requests: the submission is refused at
-    once instead of queueing without bound. Retry later; a server answers 503."""
+    """The batcher already holds `max_pending` unfinished requests (or `max_queued_tokens`
+    tokens): the submission is refused at once instead of queueing without bound. Retry later;
+    a server answers 503."""
 
-    def __init__(self, max_pending: int):
+    def __init__(self, max_pending: int, reason: str | None = None):
         super().__init__(
-            f"the batcher already holds max_pending={max_pending} unfinished requests; "
+            reason
+            or f"the batcher already holds max_pending={max_pending} unfinished requests; "
             "retry later or raise max_pending"
         )
         self.max_pending = max_pending
 
 
-@dataclasses.dataclass(frozen=True)
+class DeadlineExceeded(TimeoutError):
+    """A request's deadline passed before its result was ready. It was dropped without being
+    scored (or, if a step was running it then, its result discarded). A server answers 504."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            f"the request was not scored within its timeout of {timeout_s:g} s; "
+            "retry with a longer timeout or when the server is less loaded"
+        )
+        self.timeout_s = timeout_s
+
+
+@dataclasses.dataclass(eq=False)
 class _Pending:
-    request: ScoreRequest
+    """An accepted request: admitted, then prepared (tokenized) and queued until its last item is
+    scored. `settled` turns true once, under the batcher's lock, when it leaves the batcher."""
+
     backend: str | None
-    tokens: int
     future: Future
-    enqueued: float  # time.monotonic()
+    timeout_s: float | None
+    deadline: float | None  # time.monotonic()
+    estimate: int  # tokens reserved at admission, until the request is tokenized
+    request: ScoreRequest | None = None
+    enqueued: float = 0.0  # time.monotonic() when it (or its remainder) last joined the queue
+    done_items: int = 0
+    parts: list[ScoreResult] = dataclasses.field(default_factory=list)
+    settled: bool = False
+    queued: bool = False
+
+    @property
+    def tokens_left(self) -> int:
+        request = self.request
+        return len(request.query) + sum(map(len, request.items[self.done_items :]))
 
 
 class Batcher:
     """Coalesces concurrent `score` calls on one scorer into shared `scorer.run` calls.
 
     A batch closes when it holds `max_batch_tokens` query and item tokens (default
-    `DEFAULT_MAX_BATCH_TOKENS`; a larger request runs alone) or when its oldest request has
-    waited `max_wait_ms`; `max_wait_ms=0` runs whatever is queued as soon as the worker is free.
-    `max_pending` bounds the requests accepted and not yet finished (queued or running); past
-    it a submission raises `Overloaded`.
+    `DEFAULT_MAX_BATCH_TOKENS`) or when its oldest request has waited `max_wait_ms`;
+    `max_wait_ms=0` runs whatever is queued as soon as the worker is free. One request gives a
+    batch at most `max_request_step_tokens` (default `max_batch_tokens`) of its tokens, a whole
+    number of its items (at least one); a larger request runs over several batches, rejoining
+    the end of the queue after each.
+
+    `max_pending` bounds the requests accepted and not yet finished (tokenizing, queued or
+    running); `max_queued_tokens` (default no bound) the tokens they hold, estimated from the
+    text's byte length until tokenized. Past either a submission raises `Overloaded`, before its
+    text is tokenized; a request is never refused for tokens when nothing else is queued.
+    `request_timeout_s` (default None: none) is every request's deadline unless a call gives its
+    own `timeout_s`.
 
     Each caller gets what `scorer.score` would return for its request alone: bit-identical when
-    its batch holds no other request with the same query, labels and item_first, and within
-    1e-5 (float32) when it does (`scorer.run` then scores their items in one backend call, with
-    other padding). Requests naming different backends (`backend=`) run in separate calls.
+    its batch holds no other request with the same query, labels and item_first and the request
+    runs in one batch, and within 1e-5 (float32) otherwise (its items are then scored in backend
+    calls with other padding). Requests naming different backends (`backend=`) run in separate
+    calls. A request run over several batches reports the backends that ran it joined by "+"
+    when they differ, and the tokens of every batch (its query once per batch).
 
     Close it (`close()` or a `with` block): that finishes every accepted request, then refuses
-    new ones. Its worker is a daemon thread, so an unclosed batcher does not block exit.
+    new ones. Its threads are daemons, so an unclosed batcher does not block exit.
     """
 
     def __init__(
@@ -88,6 +151,10 @@ class Batcher:
         max_wait_ms: float = 2.0,
         max_batch_tokens: int | None = None,
         max_pending: int = 1024,
+        max_request_step_tokens: int | None = None,
+        max_queued_tokens: int | None = None,
+        request_timeout_s: float | None = None,
+        tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS,
     ):
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)):
             raise ValueError(f"max_wait_ms must be a number of milliseconds, got {max_wait_ms!r}")
@@ -95,79 +162,120 @@ class Batcher:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
-        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_pending", max_pending)):
+        if max_request_step_tokens is None:
+            max_request_step_tokens = max_batch_tokens
+        for name, value in (
+            ("max_batch_tokens", max_batch_tokens),
+            ("max_pending", max_pending),
+            ("max_request_step_tokens", max_request_step_tokens),
+            ("max_queued_tokens", 1 if max_queued_tokens is None else max_queued_tokens),
+            ("tokenize_workers", tokenize_workers),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if request_timeout_s is not None and not _is_positive_seconds(request_timeout_s):
+            raise ValueError(
+                f"request_timeout_s must be a positive number of seconds or None, "
+                f"got {request_timeout_s!r}"
+            )
         self.scorer = scorer
         self.max_wait_ms = float(max_wait_ms)
         self.max_batch_tokens = max_batch_tokens
         self.max_pending = max_pending
+        self.max_request_step_tokens = max_request_step_tokens
+        self.max_queued_tokens = max_queued_tokens
+        self.request_timeout_s = request_timeout_s
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # the worker waits on it
+        self._timer = threading.Condition(self._lock)  # the deadline thread waits on it
         self._queue: collections.deque[_Pending] = collections.deque()
-        self._queued_tokens = 0
-        self._pending = 0  # accepted and not finished: queued or running
+        self._queued_tokens = 0  # tokens left of the queued requests
+        self._admitting = 0  # accepted requests not yet tokenized
+        self._admitting_tokens = 0  # their estimates
+        self._pending = 0  # accepted and not settled
+        self._deadlines: list[tuple[float, int, _Pending]] = []  # a heap
+        self._sequence = itertools.count()
         self._closed = False
-        self._cond = threading.Condition()
+        self._stopped = False  # the worker has drained the queue: the deadline thread ends
+        self._tokenize_workers = tokenize_workers
+        self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._worker = threading.Thread(target=self._serve, name="tpuscore-batcher", daemon=True)
+        self._reaper = threading.Thread(
+            target=self._expire_due, name="tpuscore-batcher-deadlines", daemon=True
+        )
         self._worker.start()
+        self._reaper.start()
 
     @property
     def pending(self) -> int:
-        """Requests accepted and not yet finished (queued or running)."""
+        """Requests accepted and not yet finished (tokenizing, queued or running)."""
         return self._pending
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, **score_kwargs: Any) -> Future[ScoreResult]:
-        """Validate a request (`scorer.score`'s keyword arguments) and queue it.
+    def submit(self, *, timeout_s: float | None = None, **score_kwargs: Any) -> Future[ScoreResult]:
+        """Admit a request (`scorer.score`'s keyword arguments), validate it and queue it.
+
+        Args:
+            timeout_s: seconds from now until the request's deadline (default the batcher's
+                `request_timeout_s`).
 
         Returns:
-            A future of the request's `ScoreResult`, or of the error its backend step raised.
+            A future of the request's `ScoreResult`, or of the error its backend step raised, or
+            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored.
 
         Raises:
-            ValidationError: a bad request or an unknown backend, as `scorer.score` raises it.
-            Overloaded: `max_pending` requests are already unfinished.
+            ValidationError: a bad request, an unknown backend or a bad timeout_s, as
+                `scorer.score` raises it.
+            Overloaded: `max_pending` requests (or `max_queued_tokens` tokens) are already
+                unfinished.
             RuntimeError: the batcher is closed.
         """
-        self._check_open()
-        backend = score_kwargs.pop("backend", None)
-        query, items, options = validation.request_arguments(score_kwargs)
-        request = self.scorer.engine.prepare(query, items, options)
-        name = self.scorer.engine.backend_name(backend)
-        if name != registry.AUTO:  # "auto" picks per group, at run time, a backend that can
-            registry.check_capabilities(name, request.item_first)
-        tokens = len(request.query) + sum(map(len, request.items))
-        future: Future[ScoreResult] = Future()
-        with self._cond:
-            self._check_open()
-            if self._pending >= self.max_pending:
-                raise Overloaded(self.max_pending)
-            self._pending += 1
-            self._queue.append(_Pending(request, backend, tokens, future, time.monotonic()))
-            self._queued_tokens += tokens
-            self._cond.notify()
-        return future
+        entry = self._admit(score_kwargs, timeout_s)
+        self._prepare(entry, score_kwargs)
+        return entry.future
 
-    def score(self, **score_kwargs: Any) -> ScoreResult:
+    def score(self, *, timeout_s: float | None = None, **score_kwargs: Any) -> ScoreResult:
         """`scorer.score(**score_kwargs)`, sharing device steps with concurrent callers; blocks
         until the result is ready. Safe from any thread. Raises as `submit` does, or the error of
-        the backend step that ran the request."""
-        return self.submit(**score_kwargs).result()
+        the backend step that ran the request, or `DeadlineExceeded`."""
+        return self.submit(timeout_s=timeout_s, **score_kwargs).result()
 
-    async def score_async(self, **score_kwargs: Any) -> ScoreResult:
-        """`score` for asyncio: validation runs in the caller's event loop thread, the scoring in
-        the batcher's worker while the loop serves other tasks."""
-        return await asyncio.wrap_future(self.submit(**score_kwargs))
+    async def score_async(
+        self, *, timeout_s: float | None = None, **score_kwargs: Any
+    ) -> ScoreResult:
+        """`score` for asyncio: admission runs in the event loop, tokenization in the batcher's
+        tokenizer threads and scoring in its worker while the loop serves other tasks. Cancelling
+        the awaiting task (a server does when its client disconnects) drops the request."""
+        entry = self._admit(score_kwargs, timeout_s)
+        loop = asyncio.get_running_loop()
+        prepared = loop.run_in_executor(self._tokenizers(), self._prepare, entry, score_kwargs)
+        prepared.add_done_callback(_retrieved)  # its error is the future's too
+        try:
+            # The future finishes on a bad request too, and at its deadline even while the
+            # request is being tokenized.
+            return await asyncio.wrap_future(entry.future)
+        except asyncio.CancelledError:
+            entry.future.cancel()
+            raise
 
     def close(self) -> None:
         """Finish every accepted request, then stop; later submissions raise RuntimeError.
         Blocks until the queue is drained. Calling it again does nothing."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
-        if threading.current_thread() is not self._worker:
-            self._worker.join()
+        if threading.current_thread() is self._worker:
+            return
+        self._worker.join()
+        with self._lock:
+            self._stopped = True
+            self._timer.notify_all()
+        self._reaper.join()
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False)
 
     def __enter__(self) -> Batcher:
         return self
@@ -179,32 +287,171 @@ class Batcher:
         if self._closed:
             raise RuntimeError("this Batcher is closed and accepts no new requests")
 
+    # -- admission, then preparation -----------------------------------------------------------
+
+    def _admit(self, score_kwargs: dict[str, Any], timeout_s: Any) -> _Pending:
+        """The cheap checks, before any tokenization: open, queue depth, the token estimate,
+        timeout_s. Reserves the request's place and starts its deadline."""
+        self._check_open()
+        if timeout_s is None:
+            timeout_s = self.request_timeout_s
+        elif not _is_positive_seconds(timeout_s):
+            raise ValidationError(
+                "invalid_argument",
+                f"timeout_s must be a positive number of seconds, got {timeout_s!r}",
+                "timeout_s",
+            )
+        estimate = estimate_tokens(score_kwargs.get("query"), score_kwargs.get("items"))
+        with self._lock:
+            self._check_open()
+            if self._pending >= self.max_pending:
+                raise Overloaded(self.max_pending)
+            held = self._queued_tokens + self._admitting_tokens
+            if (
+                self.max_queued_tokens is not None
+                and held
+                and held + estimate > (self.max_queued_tokens)
+            ):
+                raise Overloaded(
+                    self.max_pending,
+                    f"the batcher holds about {held} tokens; this request's ~{estimate} would "
+                    f"pass max_queued_tokens={self.max_queued_tokens}; retry later",
+                )
+            now = time.monotonic()
+            deadline = None if timeout_s is None else now + timeout_s
+            entry = _Pending(score_kwargs.get("backend"), Future(), timeout_s, deadline, estimate)
+            self._pending += 1
+            self._admitting += 1
+            self._admitting_tokens += estimate
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, next(self._sequence), entry))
+                if self._deadlines[0][2] is entry:
+                    self._timer.notify()
+        entry.future.add_done_callback(lambda _: self._settle(entry))  # a caller's cancel()
+        return entry
+
+    def _prepare(self, entry: _Pending, score_kwargs: dict[str, Any]) -> None:
+        """Validate and tokenize the request, then queue it unless it was settled meanwhile
+        (cancelled, or past its deadline). A bad request releases its place and raises."""
+        try:
+            kwargs = {k: v for k, v in score_kwargs.items() if k != "backend"}
+            query, items, options = validation.request_arguments(kwargs)
+            request = self.scorer.engine.prepare(query, items, options)
+            name = self.scorer.engine.backend_name(entry.backend)
+            if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
+                registry.check_capabilities(name, request.item_first)
+        except BaseException as error:
+            self._prepared(entry)
+            if self._settle(entry):  # score_async awaits the future: it raises there too
+                _complete(entry.future, error=error)
+            raise
+        with self._lock:
+            self._prepared(entry)
+            if not entry.settled:
+                entry.request = request
+                self._enqueue(entry)
+
+    def _prepared(self, entry: _Pending) -> None:
+        """Release the admission estimate of a request that is tokenized (or failed to be)."""
+        with self._lock:
+            self._admitting -= 1
+            self._admitting_tokens -= entry.estimate
+            self._cond.notify_all()  # the worker waits for admitting requests when closed
+
+    def _tokenizers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._tokenizer_pool is None:
+                self._tokenizer_pool = ThreadPoolExecutor(
+                    self._tokenize_workers, thread_name_prefix="tpuscore-tokenize"
+                )
+            return self._tokenizer_pool
+
+    # -- the queue (under the lock) -------------------------------------------------------------
+
+    def _enqueue(self, entry: _Pending) -> None:
+        entry.enqueued = time.monotonic()
+        entry.queued = True
+        self._queue.append(entry)
+        self._queued_tokens += entry.tokens_left
+
+    def _dequeue(self, entry: _Pending) -> None:
+        if entry.queued:
+            entry.queued = False
+            self._queue.remove(entry)
+            self._queued_tokens -= entry.tokens_left
+
+    def _settle(self, entry: _Pending) -> bool:
+        """Take the request out of the batcher, once: True for the caller that did (and then
+        completes its future), False if it was already out."""
+        with self._lock:
+            if entry.settled:
+                return False
+            entry.settled = True
+            self._pending -= 1
+            self._dequeue(entry)
+            self._cond.notify_all()
+            return True
+
+    def _expire(self, entry: _Pending) -> None:
+        if self._settle(entry):
+            logger.info("a request passed its %g s deadline unscored: dropped", entry.timeout_s)
+            _complete(entry.future, error=DeadlineExceeded(entry.timeout_s))
+
+    def _expire_due(self) -> None:
+        """The deadline thread: fails each request at its deadline, whatever the worker does."""
+        with self._lock:
+            while not self._stopped:
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    self._expire(heapq.heappop(self._deadlines)[2])
+                while self._deadlines and self._deadlines[0][2].settled:
+                    heapq.heappop(self._deadlines)
+                self._timer.wait(self._deadlines[0][0] - now if self._deadlines else None)
+
     # -- the worker ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
             start = time.perf_counter()
             outcomes = self._run(batch)
-            with self._cond:
-                self._pending -= len(batch)  # before callers wake, so they may submit at once
-            for pending, (result, error) in zip(batch, outcomes, strict=True):
+            for (entry, chunk), (result, error) in zip(batch, outcomes, strict=True):
                 if error is not None:
-                    pending.future.set_exception(error)
+                    if self._settle(entry):
+                        _complete(entry.future, error=error)
                 elif result is not None:
-                    pending.future.set_result(result)
+                    self._advance(entry, len(chunk.items), result)
             logger.debug(
                 "batch of %d requests, %d tokens, in %.1f ms",
                 len(batch),
-                sum(p.tokens for p in batch),
+                sum(_tokens(chunk) for _, chunk in batch),
                 1e3 * (time.perf_counter() - start),
             )
 
-    def _next_batch(self) -> list[_Pending] | None:
+    def _advance(self, entry: _Pending, num_items: int, result: ScoreResult) -> None:
+        """A batch scored the next num_items of the request: finish it, or queue its remainder
+        at the end of the queue (unless it was settled while its batch ran)."""
+        with self._lock:
+            if entry.settled:
+                return
+            entry.parts.append(result)
+            entry.done_items += num_items
+            if entry.done_items < len(entry.request.items):
+                self._enqueue(entry)
+                self._cond.notify_all()
+                return
+        if self._settle(entry):  # before its caller wakes, so that it may submit at once
+            _complete(entry.future, result=_joined(entry.parts, entry.request))
+
+    def _next_batch(self) -> list[tuple[_Pending, ScoreRequest]] | None:
         """Wait for requests, then until the batch is full or its oldest has waited max_wait_ms
-        (not at all once closed); None when closed and drained."""
-        with self._cond:
-            while not self._queue:
-                if self._closed:
+        (not at all once closed); None when closed and drained. Takes each request's next
+        chunk in queue order, dropping those past their deadline."""
+        with self._lock:
+            while True:
+                self._drop_expired()
+                if self._queue:
+                    break
+                if self._closed and not self._admitting:
                     return None
                 self._cond.wait()
             deadline = self._queue[0].enqueued + self.max_wait_ms / 1e3
@@ -213,32 +460,67 @@ class Batcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch, tokens = [], 0
-            while self._queue and (
-                not batch or tokens + self._queue[0].tokens <= self.max_batch_tokens
-            ):
-                batch.append(self._queue.popleft())
-                tokens += batch[-1].tokens
-            self._queued_tokens -= tokens
+            self._drop_expired()
+            batch: list[tuple[_Pending, ScoreRequest]] = []
+            room = self.max_batch_tokens
+            for entry in list(self._queue):
+                chunk = self._chunk(entry, room, first=not batch)
+                if chunk is None:
+                    break
+                self._dequeue(entry)
+                batch.append((entry, chunk))
+                room -= _tokens(chunk)
             return batch
 
-    def _run(self, batch: list[_Pending]) -> list[tuple[ScoreResult | None, Exception | None]]:
-        """(result, error) per request: one `scorer.run` per backend named in the batch. A
-        request its caller cancelled meanwhile gets (None, None) and is not run."""
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        for entry in [e for e in self._queue if e.deadline is not None and e.deadline <= now]:
+            self._expire(entry)
+
+    def _chunk(self, entry: _Pending, room: int, *, first: bool) -> ScoreRequest | None:
+        """The request's next items that fit the batch's room and the per-request cap (at least
+        one when the batch is empty); None when they do not fit. A request within the cap is
+        never split, so it keeps the exact scores of running alone."""
+        request, start = entry.request, entry.done_items
+        left = entry.tokens_left
+        if left <= self.max_request_step_tokens and (first or left <= room):
+            items = request.items[start:]
+        elif left <= self.max_request_step_tokens:
+            return None
+        else:
+            limit = min(room, self.max_request_step_tokens)
+            end, tokens = start, len(request.query)
+            while end < len(request.items) and tokens + len(request.items[end]) <= limit:
+                tokens += len(request.items[end])
+                end += 1
+            if end == start:
+                if not first:
+                    return None
+                end = start + 1
+            items = request.items[start:end]
+        if start == 0 and len(items) == len(request.items):
+            return request
+        return attrs.evolve(request, items=items)
+
+    def _run(
+        self, batch: list[tuple[_Pending, ScoreRequest]]
+    ) -> list[tuple[ScoreResult | None, Exception | None]]:
+        """(result, error) per chunk: one `scorer.run` per backend named in the batch. A request
+        settled meanwhile (cancelled, past its deadline) gets (None, None) and is not run."""
         outcomes: list[tuple[ScoreResult | None, Exception | None]] = [(None, None)] * len(batch)
         by_backend: dict[str | None, list[int]] = {}
-        for i, pending in enumerate(batch):
-            if pending.future.set_running_or_notify_cancel():
-                by_backend.setdefault(pending.backend, []).append(i)
+        for i, (entry, _) in enumerate(batch):
+            if not entry.settled:
+                by_backend.setdefault(entry.backend, []).append(i)
         for backend, members in by_backend.items():
-            requests = [batch[i].request for i in members]
+            requests = [batch[i][1] for i in members]
             try:
                 results = self.scorer.run(requests, backend=backend)
             except ValidationError:
                 # The plan refused a request before anything ran (a backend unregistered since
                 # submission, say): run each alone, so that only its caller gets the error.
                 for i in members:
-                    outcomes[i] = self._run_alone(batch[i])
+                    outcomes[i] = self._run_alone(batch[i][1], backend)
                 continue
             except Exception as error:  # the step failed: its callers get the error
                 logger.warning("a batch of %d requests failed: %r", len(members), error)
@@ -249,8 +531,72 @@ class Batcher:
                 outcomes[i] = (result, None)
         return outcomes
 
-    def _run_alone(self, pending: _Pending) -> tuple[ScoreResult | None, Exception | None]:
+    def _run_alone(
+        self, request: ScoreRequest, backend: str | None
+    ) -> tuple[ScoreResult | None, Exception | None]:
         try:
-            return self.scorer.run([pending.request], backend=pending.backend)[0], None
+            return self.scorer.run([request], backend=backend)[0], None
         except Exception as error:
             return None, error
+
+
+def estimate_tokens(query: Any, items: Any) -> int:
+    """A request's query and item tokens, estimated without tokenizing: exact for token ids,
+    UTF-8 bytes / `ESTIMATE_BYTES_PER_TOKEN` for text; 0 for what validation will refuse."""
+
+    def size(value: Any) -> int:
+        if isinstance(value, str):
+            n = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
+            return math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
+        if isinstance(value, (list, tuple, np.ndarray)):
+            return len(value)
+        return 0
+
+    total = size(query)
+    if isinstance(items, (list, tuple)):
+        total += sum(map(size, items))
+    return total
+
+
+def _tokens(request: ScoreRequest) -> int:
+    return len(request.query) + sum(map(len, request.items))
+
+
+def _joined(parts: list[ScoreResult], request: ScoreRequest) -> ScoreResult:
+    """The result of a request scored over several batches, from each batch's."""
+    if len(parts) == 1:
+        return parts[0]
+    backends = dict.fromkeys(p.backend for p in parts if p.backend != "none")
+    return ScoreResult(
+        np.concatenate([p.logprobs for p in parts]),
+        "+".join(backends) or "none",
+        sum(p.num_tokens for p in parts),
+        request.apply_softmax,
+    )
+
+
+def _complete(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Finish a future unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a tokenization's outcome as seen: its caller reads the request's future instead,
+    and asyncio would log an error nobody retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _is_positive_seconds(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )

@@ -23,11 +23,12 @@ import json
 import re
 import reprlib
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import attrs
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidation, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from tpuscore.api.requests import ScoreOptions
@@ -40,7 +41,15 @@ COHERE_MAX_TOKENS_PER_DOC = 4096
 FIELD_CODES = {"query": "invalid_query", "items": "invalid_items", "documents": "invalid_documents"}
 
 # Codes the models' own checks raise, as their pydantic error type.
-TPUSCORE_CODES = frozenset({"unknown_field", "unsupported_field", "invalid_documents"})
+TPUSCORE_CODES = frozenset(
+    {
+        "unknown_field",
+        "unsupported_field",
+        "invalid_documents",
+        "invalid_argument",
+        "ambiguous_request",
+    }
+)
 
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
 # set them from the template and `max_tokens_per_doc`.
@@ -248,15 +257,92 @@ class _RerankFields(WireRequest):
     )
 
 
-class RerankRequest(_RerankFields):
-    """The Cohere v1 / Jina rerank request (`/v1/rerank`, `/rerank`), as vLLM serves it."""
+def _document_object(value: Any) -> str | dict[str, Any]:
+    """A Cohere v1 document: a string, or an object of string fields (kept whole, to return)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and value and all(isinstance(v, str) for v in value.values()):
+        return value
+    raise PydanticCustomError(
+        "invalid_documents",
+        "must be a string or an object of string fields, got {got}",
+        {"got": short(value)},
+    )
 
-    return_documents: bool = Field(True, description='include {"text"} in each result')
+
+DocumentObject = Annotated[
+    str | dict[str, str],
+    PlainValidator(_document_object),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 1},
+            ]
+        }
+    ),
+]
+
+
+def rank_text(document: str | dict[str, str], rank_fields: list[str] | None) -> str:
+    """The text a Cohere v1 document is ranked on.
+
+    A string is itself. An object is ranked on its `text` field, or, given rank_fields, on
+    those fields in that order, one `name: value` line each: Cohere ranks on "the values in
+    title, author, text sequentially" and formats semi-structured documents as YAML lines."""
+    if isinstance(document, str):
+        return document
+    if rank_fields is None:
+        if "text" not in document:
+            raise ValueError('an object document needs a "text" field, or give rank_fields')
+        return document["text"]
+    missing = [f for f in rank_fields if f not in document]
+    if missing:
+        raise ValueError(f"has no field {', '.join(map(repr, missing))} named in rank_fields")
+    return "\n".join(f"{f}: {document[f]}" for f in rank_fields)
+
+
+class RerankRequest(_RerankFields):
+    """The Cohere v1 / Jina rerank request (`/v1/rerank`, `/rerank`), as vLLM serves it.
+
+    After validation `documents` holds the texts ranked on; `originals` the documents as sent,
+    returned when `return_documents`."""
+
+    documents: list[DocumentObject] = Field(
+        description="strings, or objects of string fields ranked on `text` or on `rank_fields`"
+    )
+    return_documents: bool = Field(True, description="include each document in its result")
     max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = Field(
         None, description="cut each document to this many tokens; null: a too-long one fails"
     )
-    rank_fields: DefaultOnly = default_only(None, "Cohere's; accepted only as null")
+    rank_fields: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None,
+        description="the object documents' fields to rank on, in order, as `name: value` lines; "
+        "null: the `text` field",
+    )
     max_chunks_per_doc: DefaultOnly = default_only(None, "Cohere's; accepted only as null")
+    truncate_prompt_tokens: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
+    priority: DefaultOnly = default_only(0, "vLLM's; accepted only as 0")
+    use_activation: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
+    _originals: list[str | dict[str, str]] = pydantic.PrivateAttr(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _rank_texts(self) -> RerankRequest:
+        self._originals = list(self.documents)
+        texts = []
+        for i, document in enumerate(self._originals):
+            try:
+                texts.append(rank_text(document, self.rank_fields))
+            except ValueError as e:
+                raise PydanticCustomError(
+                    "invalid_documents", "{reason}", {"param": f"documents[{i}]", "reason": str(e)}
+                ) from None
+        self.documents = texts
+        return self
+
+    @property
+    def originals(self) -> list[str | dict[str, str]]:
+        return self._originals
 
 
 class RerankV2Request(_RerankFields):
@@ -269,6 +355,153 @@ class RerankV2Request(_RerankFields):
     priority: DefaultOnly = default_only(0, "accepted only as 0")
 
 
+def _text_or_texts(value: Any) -> str | list[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return value
+    raise PydanticCustomError(
+        "invalid_argument",
+        "must be a string or a non-empty list of strings, got {got}",
+        {"got": short(value)},
+    )
+
+
+TextOrTexts = Annotated[
+    str | list[str],
+    PlainValidator(_text_or_texts),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            ]
+        }
+    ),
+]
+
+
+class _VllmScoreFields(WireRequest):
+    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    truncate_prompt_tokens: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
+    priority: DefaultOnly = default_only(0, "vLLM's; accepted only as 0")
+    use_activation: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(query, document) pairs as vLLM forms them: 1:1, 1:N (one query, a list of
+        documents; a one-element query list counts as one) and N:N (pairwise, equal lengths)."""
+        names = self.SIDES
+        first, second = getattr(self, names[0]), getattr(self, names[1])
+        firsts = [first] if isinstance(first, str) else first
+        seconds = [second] if isinstance(second, str) else second
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise PydanticCustomError(
+                "invalid_argument",
+                "has {n} entries and {second} {m}: give one {first} or as many",
+                {"param": names[0], "first": names[0], "second": names[1], "n": len(firsts)}
+                | {"m": len(seconds)},
+            )
+        return list(zip(firsts, seconds, strict=True))
+
+    @pydantic.model_validator(mode="after")
+    def _paired(self):
+        self.pairs()
+        return self
+
+
+class VllmTextScoreRequest(_VllmScoreFields):
+    """vLLM's `/score` request, `text_1` scored against each of `text_2`."""
+
+    text_1: TextOrTexts = Field(description="the query, or one query per text_2")
+    text_2: TextOrTexts = Field(description="the documents scored against text_1")
+
+    SIDES: ClassVar[tuple[str, str]] = ("text_1", "text_2")
+
+
+class VllmQueriesScoreRequest(_VllmScoreFields):
+    """vLLM's newer `/score` request: `queries` scored against `documents`."""
+
+    queries: TextOrTexts = Field(description="the query, or one query per document")
+    documents: TextOrTexts = Field(description="the documents scored against the queries")
+
+    SIDES: ClassVar[tuple[str, str]] = ("queries", "documents")
+
+
+class VllmDataScoreRequest(_VllmScoreFields):
+    """vLLM's `/score` request under its generic names: `data_1` scored against `data_2`."""
+
+    data_1: TextOrTexts = Field(description="the query, or one query per data_2")
+    data_2: TextOrTexts = Field(description="the documents scored against data_1")
+    SIDES: ClassVar[tuple[str, str]] = ("data_1", "data_2")
+
+
+SGLANG_SCORE_FIELDS = ("query", "items")
+# A vLLM field -> the tag of its request's shape.
+VLLM_SCORE_FIELDS = {
+    "text_1": "text",
+    "text_2": "text",
+    "queries": "queries",
+    "documents": "queries",
+    "data_1": "data",
+    "data_2": "data",
+}
+
+
+def _score_shape(body: Any) -> str:
+    """Which peer's score request a body is, by its fields: SGLang's unless it has vLLM's."""
+    if not isinstance(body, dict):
+        return "sglang"
+    vllm = [name for name in body if name in VLLM_SCORE_FIELDS]
+    if vllm and any(name in SGLANG_SCORE_FIELDS for name in body):
+        return "ambiguous"
+    return VLLM_SCORE_FIELDS[vllm[0]] if vllm else "sglang"
+
+
+class _AmbiguousScoreRequest(BaseModel):
+    """A body with both peers' score fields: refused, naming both."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, body: dict[str, Any]) -> Any:
+        raise PydanticCustomError(
+            "ambiguous_request",
+            "the body has SGLang's score fields ({sglang}) and vLLM's ({vllm}); send one shape",
+            {
+                "sglang": ", ".join(n for n in body if n in SGLANG_SCORE_FIELDS),
+                "vllm": ", ".join(n for n in body if n in VLLM_SCORE_FIELDS),
+            },
+        )
+
+
+AnyScoreRequest = Annotated[
+    Annotated[ScoreRequest, pydantic.Tag("sglang")]
+    | Annotated[VllmTextScoreRequest, pydantic.Tag("text")]
+    | Annotated[VllmQueriesScoreRequest, pydantic.Tag("queries")]
+    | Annotated[VllmDataScoreRequest, pydantic.Tag("data")]
+    | SkipJsonSchema[Annotated[_AmbiguousScoreRequest, pydantic.Tag("ambiguous")]],
+    pydantic.Discriminator(_score_shape),
+]
+SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous"})
+
+
+class TokenizeRequest(WireRequest):
+    """vLLM's `/tokenize` request (the completion form: a prompt)."""
+
+    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    prompt: str
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS)")
+    return_token_strs: bool = Field(False, description="also return each token as a string")
+
+
+class DetokenizeRequest(WireRequest):
+    """vLLM's `/detokenize` request."""
+
+    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    tokens: list[int]
+
+
 def error_fields(error: dict[str, Any]) -> tuple[str, str | None, str]:
     """(code, param, message) of one pydantic error on a request body.
 
@@ -277,6 +510,8 @@ def error_fields(error: dict[str, Any]) -> tuple[str, str | None, str]:
     path as the body spells it ("documents[3]")."""
     loc = tuple(error.get("loc", ()))
     if loc[:1] == ("body",):
+        loc = loc[1:]
+    if loc[:1] and loc[0] in SCORE_SHAPE_TAGS:  # the score shape's union tag
         loc = loc[1:]
     ctx = error.get("ctx") or {}
     param = ctx.get("param")
@@ -318,8 +553,51 @@ class ScoreResponse(BaseModel):
     object: Literal["scoring"] = "scoring"
 
 
+class VllmUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class VllmScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class VllmScoreResponse(BaseModel):
+    """vLLM's `/score` response: a score per (query, document) pair, in pair order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[VllmScoreData]
+    usage: VllmUsage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class RerankDocument(BaseModel):
-    text: str
+    """The document as sent: {"text"} for a string, the whole object for an object."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = None
+
+    @classmethod
+    def of(cls, document: str | dict[str, str]) -> RerankDocument:
+        return cls(text=document) if isinstance(document, str) else cls(**document)
 
 
 class RerankResult(BaseModel):

@@ -113,6 +113,7 @@ def loglikelihood(
         tokenizer=engine.tokenizer,
         vocab_size=engine.config.vocab_size,
         max_sequence_length=engine.config.max_position_embeddings,
+        num_classes=engine.config.num_labels,
     )
     return run(engine.backends.get(BACKEND), request)
 

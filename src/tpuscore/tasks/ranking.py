@@ -4,8 +4,10 @@
 `top_k` best) sorted by score, highest first, each with its index in the input and the input item
 itself. The score of an item is P(positive | query + item) / sum of P(label | query + item) over
 the labels: for a yes/no pair, P(yes) / (P(yes) + P(no)), as Qwen3-Reranker and the Cohere/Jina
-rerank servers compute it. Equal scores keep their input order (a stable sort), so a ranking is
-reproducible.
+rerank servers compute it. On a classification model, `positive` indexes its classes and the
+score is that class's probability: the softmax over the classes, or the sigmoid of a single
+logit (one-logit rerankers and reward models). Equal scores keep their input order (a stable
+sort), so a ranking is reproducible.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def _check_index(value: Any, param: str, *, minimum: int, below: int | None = No
     return value
 
 
-def _check_rank(num_labels: int, positive: Any, top_k: Any) -> tuple[int, int | None]:
-    if num_labels < 2:
+def _check_rank(
+    num_labels: int, positive: Any, top_k: Any, classification: bool = False
+) -> tuple[int, int | None]:
+    if num_labels < 2 and not classification:
         raise ValidationError(
             "invalid_argument",
             f"ranking needs at least two labels, got {num_labels}: the positive label's "
@@ -88,7 +92,7 @@ def rank_result(
     num_items, num_labels = result.logprobs.shape
     if len(items) != num_items:
         raise ValueError(f"{len(items)} items but the result scores {num_items}")
-    positive, top_k = _check_rank(num_labels, positive, top_k)
+    positive, top_k = _check_rank(num_labels, positive, top_k, result.classification)
     scores = result.label_probs[:, positive]
     order = np.argsort(-scores, kind="stable")[:top_k]
     return [RankedItem(int(i), float(scores[i]), items[i]) for i in order]
@@ -126,7 +130,8 @@ def rank(
             "invalid_argument", "instruction is only used with a template", "instruction"
         )
     request = engine.prepare(query_text, item_texts, options)
-    _check_rank(len(request.label_ids), positive, top_k)  # before the model runs, not after
+    # Checked before the model runs, not after.
+    _check_rank(len(request.label_ids), positive, top_k, request.classification)
     result = _score(engine, request, backend, show_progress)
     return rank_result(result, list(items), positive=positive, top_k=top_k)
 
@@ -177,10 +182,13 @@ def _score(
             results.extend(engine.run([page], backend=backend))
             advance(len(page.items))
     if not results:
-        return ScoreResult.empty(len(request.label_ids), request.apply_softmax)
+        return ScoreResult.empty(
+            len(request.label_ids), request.apply_softmax, request.classification
+        )
     return ScoreResult(
         np.concatenate([r.logprobs for r in results]),
         backend=results[0].backend,
         num_tokens=sum(r.num_tokens for r in results),
         apply_softmax=request.apply_softmax,
+        classification=request.classification,
     )

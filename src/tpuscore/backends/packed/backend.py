@@ -113,18 +113,26 @@ def score_packed(
     """
     B, T = tokens.shape
     if block_sizes is None:
-        attention = functools.partial(decoder.attend, mask=segment_mask(prefix_len, seg_start, T))
+        mask = segment_mask(prefix_len, seg_start, T)
+
+        def attention(q, k, v, layer):
+            window = decoder.within_window(positions, positions, layer.window)
+            return decoder.attend(q, k, v, mask & window, layer)
+
     else:
 
-        def attention(q, k, v):  # the kernel wants heads before tokens: [B, N, T, H]
+        def attention(q, k, v, layer):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
             gpu = isinstance(block_sizes, GpuBlockSizes)
             kernel = functools.partial(
                 segment_attention_gpu if gpu else segment_attention,
+                scale=layer.scale,
+                softcap=layer.softcap,
                 block_sizes=block_sizes,
                 interpret=interpret,
             )
-            o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start)
+            window = jnp.int32(decoder.NO_WINDOW) if layer.window is None else layer.window
+            o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
             return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, config, tokens, positions, attention)

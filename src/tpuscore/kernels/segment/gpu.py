@@ -31,7 +31,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tpuscore.kernels.segment.mask import MASK_VALUE, check_shapes, first_segment_key
+from tpuscore.kernels.segment.mask import (
+    MASK_VALUE,
+    NO_WINDOW,
+    check_shapes,
+    first_position,
+    first_segment_key,
+    soft_cap,
+    visible_blocks,
+)
 
 
 def _power_of_two(n: int) -> bool:
@@ -65,18 +73,24 @@ class GpuBlockSizes:
         return max(self.block_q, self.block_kv)
 
 
-def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, block_kv):
+def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, softcap, block_kv):
     """One query tile of one kv head: q_ref [G, block_q, H], k/v_ref [T, H], seg_ref [block_q],
-    meta_ref [2] = (prefix_len, the tile's first segment start)."""
+    meta_ref [4] = (prefix_len, the tile's first segment start, its first position, window)."""
     i = pl.program_id(0)
     G, block_q, H = q_ref.shape
-    prefix_len, first_key = meta_ref[0], meta_ref[1]
+    prefix_len, first_key, first_pos, window = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     rows = i * block_q + jnp.arange(block_q)
     seg_start = seg_ref[...]
+    pos = rows - jnp.maximum(seg_start - prefix_len, 0)
     last_block = ((i + 1) * block_q - 1) // block_kv
-    # Visible tiles: [0, prefix_blocks) then [segment_from, last_block]; never past the diagonal.
-    prefix_blocks = jnp.minimum(pl.cdiv(prefix_len, block_kv), last_block + 1)
-    segment_from = jnp.maximum(prefix_blocks, first_key // block_kv)
+    # Visible tiles (`mask.visible_blocks`): the query's [prefix_from, prefix_to), then
+    # [segment_from, last_block]; never past the diagonal.
+    prefix_from, prefix_to, segment_lo, _ = visible_blocks(
+        i, prefix_len, first_key, first_pos, window, block_q, block_kv
+    )
+    prefix_to = jnp.minimum(prefix_to, last_block + 1)
+    prefix_from = jnp.minimum(prefix_from, prefix_to)
+    segment_from = jnp.maximum(prefix_to, segment_lo)
     qs = [q_ref[g] for g in range(G)]
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
@@ -84,16 +98,17 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
         k = k_ref[pl.ds(j * block_kv, block_kv), :]
         v = v_ref[pl.ds(j * block_kv, block_kv), :]
         cols = j * block_kv + jnp.arange(block_kv)
-        mask = (cols[None, :] <= rows[:, None]) & (
-            (cols[None, :] < prefix_len) | (cols[None, :] >= seg_start[:, None])
-        )
+        c = cols[None, :]
+        in_prefix = (c < prefix_len) & (c > pos[:, None] - window)
+        in_segment = (c >= seg_start[:, None]) & (c > rows[:, None] - window)
+        mask = (c <= rows[:, None]) & (in_prefix | in_segment)
         out = []
         for q, (acc, m_prev, l_prev) in zip(qs, carry, strict=True):
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=precision, preferred_element_type=jnp.float32,
             )  # fmt: skip
-            s = jnp.where(mask, s * scale, MASK_VALUE)
+            s = jnp.where(mask, soft_cap(s * scale, softcap), MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
             p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
             alpha = jnp.exp(m_prev - m_next)
@@ -112,16 +127,18 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
         )
         for _ in range(G)
     )
-    carry = jax.lax.fori_loop(0, prefix_blocks, step, init)
+    carry = jax.lax.fori_loop(prefix_from, prefix_to, step, init)
     carry = jax.lax.fori_loop(segment_from, last_block + 1, step, carry)
     for g, (acc, _, total) in enumerate(carry):  # every row sees its own key: total > 0
         o_ref[g] = (acc / total[:, None]).astype(o_ref.dtype)
-    count = prefix_blocks + jnp.maximum(last_block + 1 - segment_from, 0)
+    count = prefix_to - prefix_from + jnp.maximum(last_block + 1 - segment_from, 0)
     tiles_ref[...] = jnp.full(tiles_ref.shape, count, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "softcap"))
+def _segment_attention_gpu(
+    q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
+):
     check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # on CPU there is no Triton lowering
         interpret = jax.default_backend() != "gpu"
@@ -135,15 +152,19 @@ def _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpre
         pad = [(0, 0)] * 3 + [(0, Hp - H)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     seg_start = seg_start.astype(jnp.int32)
+    prefix_len = prefix_len.astype(jnp.int32)
     first_key = first_segment_key(seg_start, bq)  # [B, nq]
-    prefix = jnp.broadcast_to(prefix_len.astype(jnp.int32)[:, None], (B, nq))
-    meta = jnp.stack([prefix, first_key], axis=-1)  # [B, nq, 2]
-    kernel = functools.partial(_kernel, scale=1 / H**0.5, block_kv=bkv)
+    first_pos = first_position(prefix_len, seg_start, bq)  # [B, nq]
+    prefix = jnp.broadcast_to(prefix_len[:, None], (B, nq))
+    window = jnp.full((B, nq), NO_WINDOW if window is None else window, jnp.int32)
+    meta = jnp.stack([prefix, first_key, first_pos, window], axis=-1)  # [B, nq, 4]
+    scale = H**-0.5 if scale is None else scale
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, block_kv=bkv)
     o, tiles = pl.pallas_call(
         kernel,
         grid=(nq, B, K),
         in_specs=[
-            pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),
+            pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
             pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
             pl.BlockSpec((None, None, G, bq, Hp), lambda i, b, h: (b, h, 0, i, 0)),
             pl.BlockSpec((None, None, T, Hp), lambda i, b, h: (b, h, 0, 0)),
@@ -172,20 +193,29 @@ def segment_attention_gpu(
     v: jax.Array,
     prefix_len: jax.Array,
     seg_start: jax.Array,
+    window: jax.Array | None = None,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     block_sizes: GpuBlockSizes = GpuBlockSizes(),
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask (prefix_len [B], seg_start [B, T]), as `tpu.segment_attention` computes it.
+    mask (prefix_len [B], seg_start [B, T]) cut to `window`, scaled and soft-capped, as
+    `tpu.segment_attention` computes it.
 
     T must be a multiple of both block sizes. interpret defaults to True off GPU.
     """
-    return _segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret)[0]
+    return _segment_attention_gpu(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
+    )[0]
 
 
 def executed_tiles_gpu(
-    q, k, v, prefix_len, seg_start, *, block_sizes=GpuBlockSizes(), interpret=None
+    q, k, v, prefix_len, seg_start, window=None, *, block_sizes=GpuBlockSizes(), interpret=None
 ):
     """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    return int(_segment_attention_gpu(q, k, v, prefix_len, seg_start, block_sizes, interpret)[1])
+    out = _segment_attention_gpu(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, None, None
+    )
+    return int(out[1])

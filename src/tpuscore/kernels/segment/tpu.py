@@ -1,12 +1,14 @@
 """Shared-prefix segment attention: a Pallas flash-attention kernel whose mask is procedural.
 
-The mask rule (`mask.py`, with a picture): row r sees key c when c <= r and (c < prefix_len or
-c >= seg_start[r]), so every item sees the whole query plus, causally, only itself.
+The mask rule (`mask.py`, with pictures): row r sees key c when c <= r and (c < prefix_len or
+c >= seg_start[r]), so every item sees the whole query plus, causally, only itself; on a
+sliding-window layer, only the keys within the row's last `window` positions of that.
 
 The mask is computed inside the kernel from O(T) metadata and never materialized. Tiles with no
 visible key are skipped: no compute, and on TPU no copy, because the K/V index map repeats the
 block index of the previous grid step for them (Pallas copies a block only when its index
-changes). `mask.segment_attention_reference` is the same function in plain jnp: the test oracle.
+changes); tiles wholly outside a window are skipped the same way.
+`mask.segment_attention_reference` is the same function in plain jnp: the test oracle.
 
 Axis letters: B batch, T tokens, N query heads, K kv heads, G = N/K, H head dim.
 """
@@ -22,7 +24,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuscore.kernels.segment.mask import MASK_VALUE, check_shapes, first_segment_key
+from tpuscore.kernels.segment.mask import (
+    MASK_VALUE,
+    NO_WINDOW,
+    check_shapes,
+    first_position,
+    first_segment_key,
+    soft_cap,
+    visible_blocks,
+)
 
 NUM_LANES = 128  # TPU vector lane count: the minor block dimension
 NUM_SUBLANES = 8  # the second-minor one
@@ -48,26 +58,32 @@ class BlockSizes:
         return math.lcm(self.block_q, self.block_kv)
 
 
-def _tile_visible(i, j, prefix_len, first_key, block_q: int, block_kv: int):
+def _tile_visible(i, j, prefix_len, first_key, first_pos, window, block_q: int, block_kv: int):
     """Whether kv tile j holds any key that a row of query tile i may see."""
-    last_row = (i + 1) * block_q - 1
-    causal = j * block_kv <= last_row
-    return causal & ((j * block_kv < prefix_len) | ((j + 1) * block_kv > first_key))
+    p_lo, p_hi, s_lo, s_hi = visible_blocks(
+        i, prefix_len, first_key, first_pos, window, block_q, block_kv
+    )
+    return (j <= s_hi) & (((p_lo <= j) & (j < p_hi)) | (s_lo <= j))
 
 
-def _kv_index_map(b, kv_head, i, j, prefix_len_ref, first_key_ref, *, block_q, block_kv):
+def _kv_index_map(
+    b, kv_head, i, j, prefix_len_ref, first_key_ref, first_pos_ref, window_ref, *, block_q, block_kv
+):
     """The kv block to fetch at grid step (i, j). A skipped tile fetches a block that a neighbouring
     step fetches anyway, so the pipeline issues no copy for it."""
-    prefix_blocks = pl.cdiv(prefix_len_ref[b], block_kv)
-    first_block = first_key_ref[b, i] // block_kv
-    last_block = ((i + 1) * block_q - 1) // block_kv
-    block = jnp.where(j < prefix_blocks, j, jnp.clip(j, first_block, last_block))
+    p_lo, p_hi, s_lo, s_hi = visible_blocks(
+        i, prefix_len_ref[b], first_key_ref[b, i], first_pos_ref[b, i], window_ref[0],
+        block_q, block_kv,
+    )  # fmt: skip
+    block = jnp.where(j < p_hi, jnp.maximum(j, p_lo), jnp.clip(j, s_lo, s_hi))
     return b, kv_head, block, 0
 
 
 def _kernel(
     prefix_len_ref,  # scalar prefetch: [B]
     first_key_ref,  # scalar prefetch: [B, T / block_q]
+    first_pos_ref,  # scalar prefetch: [B, T / block_q]
+    window_ref,  # scalar prefetch: [1]
     seg_start_ref,  # [block_q, NUM_LANES], lane-broadcast
     q_ref,  # [G, block_q, H]
     k_ref,  # [block_kv, H]
@@ -75,13 +91,14 @@ def _kernel(
     o_ref,  # [G, block_q, H]
     *rest,  # tiles_ref [NUM_SUBLANES, NUM_LANES] when counting, then the scratch
     scale: float,
+    softcap: float | None,
     count_tiles: bool,
 ):
     tiles_ref, (m_ref, l_ref, acc_ref) = (rest[0], rest[1:]) if count_tiles else (None, rest)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     G, block_q, H = q_ref.shape
     block_kv = k_ref.shape[0]
-    prefix_len = prefix_len_ref[b]
+    prefix_len, window = prefix_len_ref[b], window_ref[0]
 
     @pl.when(j == 0)
     def _init():
@@ -91,7 +108,9 @@ def _kernel(
         if count_tiles:
             tiles_ref[...] = jnp.zeros(tiles_ref.shape, jnp.int32)
 
-    visible = _tile_visible(i, j, prefix_len, first_key_ref[b, i], block_q, block_kv)
+    visible = _tile_visible(
+        i, j, prefix_len, first_key_ref[b, i], first_pos_ref[b, i], window, block_q, block_kv
+    )
 
     @pl.when(visible)
     def _compute():
@@ -101,12 +120,15 @@ def _kernel(
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
-        s = s * scale  # [G * block_q, block_kv]
+        s = soft_cap(s * scale, softcap)  # [G * block_q, block_kv]
         shape = (block_q, block_kv)
         rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         cols = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
         seg_start = jnp.tile(seg_start_ref[...], (1, block_kv // NUM_LANES))
-        mask = (cols <= rows) & ((cols < prefix_len) | (cols >= seg_start))
+        pos = rows - jnp.maximum(seg_start - prefix_len, 0)
+        in_prefix = (cols < prefix_len) & (cols > pos - window)
+        in_segment = (cols >= seg_start) & (cols > rows - window)
+        mask = (cols <= rows) & (in_prefix | in_segment)
         mask = jnp.tile(mask, (G, 1))
         s = jnp.where(mask, s, MASK_VALUE)
 
@@ -131,8 +153,12 @@ def _kernel(
         o_ref[...] = o.reshape(G, block_q, H).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles"))
-def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, count_tiles):
+@functools.partial(
+    jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles", "scale", "softcap")
+)
+def _segment_attention(
+    q, k, v, prefix_len, seg_start, window, block_sizes, interpret, count_tiles, scale, softcap
+):
     check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # off TPU there is no Mosaic lowering
         interpret = jax.default_backend() != "tpu"
@@ -143,6 +169,8 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
     prefix_len = prefix_len.astype(jnp.int32)
     seg_start = seg_start.astype(jnp.int32)
     first_key = first_segment_key(seg_start, bq)
+    first_pos = first_position(prefix_len, seg_start, bq)
+    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
     lanes = jnp.broadcast_to(seg_start[:, :, None], (B, T, NUM_LANES))
 
     kv_map = functools.partial(_kv_index_map, block_q=bq, block_kv=bkv)
@@ -159,7 +187,7 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
         out_specs.append(pl.BlockSpec(tile_block, lambda b, h, i, j, *_: (b, h, i, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, K, T // bq, NUM_SUBLANES, NUM_LANES), jnp.int32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=4,
         grid=(B, K, T // bq, T // bkv),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -169,7 +197,8 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
             pltpu.VMEM((G * bq, H), jnp.float32),  # running weighted values
         ],
     )
-    kernel = functools.partial(_kernel, scale=1 / H**0.5, count_tiles=count_tiles)
+    scale = H**-0.5 if scale is None else scale
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, count_tiles=count_tiles)
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -178,7 +207,7 @@ def _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, c
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
-    )(prefix_len, first_key, lanes, q.reshape(B, K, G, T, H), k, v)
+    )(prefix_len, first_key, first_pos, window, lanes, q.reshape(B, K, G, T, H), k, v)
     o = outs[0].reshape(B, N, T, H)
     return (o, outs[1][..., 0, 0].sum()) if count_tiles else o
 
@@ -189,19 +218,32 @@ def segment_attention(
     v: jax.Array,
     prefix_len: jax.Array,
     seg_start: jax.Array,
+    window: jax.Array | None = None,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask given by prefix_len [B] and seg_start [B, T] (see the module docstring).
+    mask given by prefix_len [B] and seg_start [B, T], cut to `window` (an int32 scalar, may be
+    traced; None: no window) as the module docstring draws it.
 
-    Every row must see at least one key (seg_start[r] <= r holds that). T must be a multiple of
-    both block sizes. interpret defaults to True off TPU, where the Mosaic lowering is missing.
+    Scores are scaled by `scale` (default H ** -0.5) and soft-capped as tanh(s / softcap) *
+    softcap where softcap is given. Every row must see at least one key (seg_start[r] <= r holds
+    that). T must be a multiple of both block sizes. interpret defaults to True off TPU, where
+    the Mosaic lowering is missing.
     """
-    return _segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, False)
+    return _segment_attention(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, False, scale, softcap
+    )
 
 
-def executed_tiles(q, k, v, prefix_len, seg_start, *, block_sizes=BlockSizes(), interpret=None):
+def executed_tiles(
+    q, k, v, prefix_len, seg_start, window=None, *, block_sizes=BlockSizes(), interpret=None
+):
     """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    return int(_segment_attention(q, k, v, prefix_len, seg_start, block_sizes, interpret, True)[1])
+    out = _segment_attention(
+        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, True, None, None
+    )
+    return int(out[1])

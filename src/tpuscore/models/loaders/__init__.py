@@ -70,7 +70,7 @@ def _read_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokeni
 
 
 def _read_hf_dir(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    hf_config = json.loads((path / "config.json").read_text())
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -82,5 +82,7 @@ def _read_hf_dir(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, toke
         with safetensors.safe_open(file, framework="flax") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensors[name] = np.asarray(f.get_tensor(name))
+    head = tensors.get("score.weight")  # a classification head: its rows count the classes
+    config = ModelConfig.from_hf(hf_config, head_rows=None if head is None else head.shape[0])
     params = params_from_checkpoint(config, tensors, dtype)
     return config, params, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))

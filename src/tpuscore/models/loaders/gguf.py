@@ -20,7 +20,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from tpuscore.models.config import FAMILIES, ModelConfig, UnsupportedModelError
+from tpuscore.models.config import ModelConfig, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3")  # the architectures this reader maps
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 # Pre-tokenizer regexes, as transformers and llama.cpp spell them for these `tokenizer.ggml.pre`.
@@ -120,10 +121,10 @@ class _Metadata:
 
 def _config(meta: _Metadata, tensor_names: set[str], n_tokens: int) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in FAMILIES:
+    if arch not in GGUF_FAMILIES:
         raise UnsupportedModelError(
             f"{meta.path}: general.architecture {arch!r} is not supported; "
-            f"supported: {', '.join(FAMILIES)}"
+            f"supported: {', '.join(GGUF_FAMILIES)}"
         )
     scaling = {k: meta.get(k) for k in meta.fields if k.startswith(f"{arch}.rope.scaling.")}
     if scaling and scaling.get(f"{arch}.rope.scaling.type") != "none":

@@ -1,0 +1,315 @@
+"""A soak benchmark of the service: the same varied requests through the in-process Batcher and
+through `tpuscore serve`'s HTTP app, from many closed-loop clients, for minutes (issue 25).
+
+Each phase runs --clients clients for --duration seconds; a client sends its next request when
+it has its answer. The requests are one seeded list of varied geometries (query, item count and
+item lengths) as /v1/score token ids, every fourth a /v1/rerank of text documents; client k
+sends request k, k + clients, ... in both phases, after --warmup seconds of it unmeasured.
+Measured per phase: requests/s, P50 and P99 latency, XLA compilations (JAX's compile events)
+and resident memory over time (sampled every 0.5 s); the table counts the answers by status.
+The HTTP clients run in a subprocess (httpx, asyncio), so they do not share the server's
+interpreter.
+
+    python benchmarks/soak.py                         # the embedded default model, CPU
+    python benchmarks/soak.py --tiny --duration 30    # a tiny random checkpoint
+    python benchmarks/soak.py --json soak.json --plot docs/soak.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+from jax import monitoring
+
+HERE = pathlib.Path(__file__).resolve().parent
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+RSS_PERIOD_S = 0.5
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In the morning the market opens early and closes late.",
+    "Rotary position embeddings rotate queries and keys by position.",
+    "Children played in the park until the evening came.",
+    "The river ran past the old mill and under the bridge.",
+    "A fox hid in the hedge while the hounds went by.",
+    "Interest rates rose for the third time this year.",
+    "The recipe needs two eggs, flour and a pinch of salt.",
+]
+QUERIES = ["Which passage is about a fox?", "What happened to rates?", "Where is the mill?"]
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_requests(rng: np.random.Generator, n: int, vocab: int) -> list[tuple[str, dict]]:
+    """n (path, body) pairs: /v1/score with varied geometry, every fourth a /v1/rerank."""
+    requests = []
+    for i in range(n):
+        if i % 4 == 3:
+            k = int(rng.integers(2, len(DOCS) + 1))
+            docs = [DOCS[j] for j in rng.permutation(len(DOCS))[:k]]
+            query = QUERIES[int(rng.integers(len(QUERIES)))]
+            requests.append(("/v1/rerank", {"query": query, "documents": docs}))
+            continue
+        query = rng.integers(0, vocab, int(rng.integers(16, 129))).tolist()
+        items = [
+            rng.integers(0, vocab, int(rng.integers(4, 33))).tolist()
+            for _ in range(int(rng.integers(1, 17)))
+        ]
+        labels = rng.integers(0, vocab, 2).tolist()
+        requests.append(("/v1/score", {"query": query, "items": items, "label_token_ids": labels}))
+    return requests
+
+
+class Sampler:
+    """Resident memory every RSS_PERIOD_S, and the compile events, from start() to stop()."""
+
+    def __init__(self, compiles: list[float]):
+        self.compiles, self.samples, self.stopping = compiles, [], threading.Event()
+
+    def start(self):
+        self.t0, self.compiles0 = time.monotonic(), len(self.compiles)
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self):
+        while not self.stopping.wait(RSS_PERIOD_S):
+            self.samples.append((time.monotonic() - self.t0, rss_mib()))
+
+    def stop(self) -> dict:
+        self.stopping.set()
+        self.thread.join()
+        return {"rss": self.samples, "compiles": len(self.compiles) - self.compiles0}
+
+
+def in_process(service, requests, clients: int, duration: float) -> list[tuple]:
+    """Closed-loop client threads calling the Batcher as the HTTP handlers do: (start s,
+    latency s, status) per request."""
+    from tpuscore import Overloaded
+
+    t0, out, lock = time.monotonic(), [], threading.Lock()
+
+    def client(k: int):
+        i = k
+        while time.monotonic() - t0 < duration:
+            path, body = requests[i % len(requests)]
+            start = time.monotonic()
+            try:
+                if path == "/v1/score":
+                    service.batcher.score(**body)
+                else:
+                    t = service.template
+                    service.batcher.score(
+                        query=t.render_query(body["query"]),
+                        items=[t.render_item(d) for d in body["documents"]],
+                        labels=list(t.labels),
+                        item_suffix=t.item_suffix,
+                    )
+                status = 200
+            except Overloaded:
+                status = 503
+            with lock:
+                out.append((start - t0, time.monotonic() - start, status))
+            i += clients
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+async def http_clients(url: str, requests, clients: int, duration: float) -> list[tuple]:
+    import httpx
+
+    t0, out = time.monotonic(), []
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+
+        async def client(k: int):
+            i = k
+            while time.monotonic() - t0 < duration:
+                path, body = requests[i % len(requests)]
+                start = time.monotonic()
+                response = await c.post(path, json=body)
+                out.append((start - t0, time.monotonic() - start, response.status_code))
+                i += clients
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+    return out
+
+
+def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> dict:
+    latencies = np.array([a[1] for a in answers if a[2] == 200])
+    statuses: dict[str, int] = {}
+    for a in answers:
+        statuses[str(a[2])] = statuses.get(str(a[2]), 0) + 1
+    rss = [r for _, r in sampled["rss"]]
+    return {
+        "name": name,
+        "requests": len(answers),
+        "requests_per_s": len(latencies) / duration,
+        "p50_s": float(np.percentile(latencies, 50)) if len(latencies) else None,
+        "p99_s": float(np.percentile(latencies, 99)) if len(latencies) else None,
+        "statuses": statuses,
+        "compiles": sampled["compiles"],
+        "rss_start_mib": rss[0] if rss else None,
+        "rss_end_mib": rss[-1] if rss else None,
+        "answers": answers,
+        "rss": sampled["rss"],
+    }
+
+
+def serve(app) -> tuple[str, object, threading.Thread]:
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return url, server, thread
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for r, color in zip(results, ("tab:blue", "tab:orange"), strict=False):
+        answers = np.array([(a[0], a[1]) for a in r["answers"] if a[2] == 200])
+        if len(answers):
+            top.scatter(answers[:, 0], answers[:, 1] * 1e3, s=3, color=color, label=r["name"])
+        rss = np.array(r["rss"])
+        if len(rss):
+            bottom.plot(rss[:, 0], rss[:, 1], color=color, label=r["name"])
+    top.set(ylabel="latency (ms)", yscale="log", title=title)
+    bottom.set(xlabel="seconds into the phase", ylabel="resident memory (MiB)")
+    top.legend(markerscale=4)
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 checkpoint")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=400, help="distinct requests in the list")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write every figure and answer here")
+    p.add_argument("--plot", help="write a PNG of latency and RSS over time here")
+    p.add_argument("--warmup", type=float, help="seconds of unmeasured traffic first (--duration)")
+    hidden = {"nargs": 3, "metavar": ("URL", "REQUESTS", "OUT"), "help": argparse.SUPPRESS}
+    p.add_argument("--http-client", **hidden)
+    args = p.parse_args(argv)
+
+    if args.http_client:  # the subprocess that drives the HTTP phase
+        url, requests_file, out = args.http_client
+        requests = json.loads(pathlib.Path(requests_file).read_text())
+        answers = asyncio.run(http_clients(url, requests, args.clients, args.duration))
+        pathlib.Path(out).write_text(json.dumps(answers))
+        return
+
+    from tpuscore import Scorer, templates
+    from tpuscore.serving import app as server
+
+    compiles: list[float] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: compiles.append(secs) if event == COMPILE_EVENT else None
+    )
+    if args.tiny:
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from hf_reference import make_checkpoint
+
+        scorer = Scorer.from_pretrained(
+            make_checkpoint(tempfile.mkdtemp(), "qwen3_qknorm"), dtype="float32"
+        )
+        template = templates.Template(
+            name="soak", query="{instruction}\n\nQuery: {query}\n", item="Document: {item}",
+            item_suffix="\nRelevant:", labels=("y", "n"), default_instruction="Relevant?",
+        )  # fmt: skip
+        model = "tiny random qwen3 (float32)"
+    else:
+        scorer, template, model = Scorer.from_pretrained(), "plain", "SmolLM2-135M-Instruct"
+    rng = np.random.default_rng(args.seed)
+    requests = make_requests(rng, args.requests, scorer.config.vocab_size)
+    print("# tpuscore soak benchmark\n")
+    print(f"- command: `python benchmarks/soak.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(f"- load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)")
+    print(f"- model: {model}; {args.clients} clients, {args.duration:.0f} s a phase")
+    sys.stdout.flush()
+
+    batcher_options = {"max_pending": 4 * args.clients}
+    start = time.monotonic()
+    app = server.create_app(scorer, rerank_template=template, batcher_options=batcher_options)
+    service = app.state.service
+    warmup = args.duration if args.warmup is None else args.warmup
+    in_process(service, requests, args.clients, warmup)  # the same traffic, unmeasured
+    warm_rss, warm_compiles = rss_mib(), len(compiles)
+    took = time.monotonic() - start
+    print(f"- warmup: {took:.0f} s of the traffic, {warm_compiles} compiles, {warm_rss:.0f} MiB")
+
+    results = []
+    sampler = Sampler(compiles).start()
+    answers = in_process(service, requests, args.clients, args.duration)
+    results.append(summary("in-process Batcher", answers, sampler.stop(), args.duration))
+
+    url, uv, thread = serve(app)
+    with tempfile.TemporaryDirectory() as tmp:
+        requests_file, out = pathlib.Path(tmp, "requests.json"), pathlib.Path(tmp, "out.json")
+        requests_file.write_text(json.dumps(requests))
+        sampler = Sampler(compiles).start()
+        command = [sys.executable, __file__, "--clients", str(args.clients)]
+        command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
+        subprocess.run([*command, str(out)], check=True)
+        answers = [tuple(a) for a in json.loads(out.read_text())]
+        results.append(summary("HTTP (uvicorn, httpx)", answers, sampler.stop(), args.duration))
+    uv.should_exit = True
+    thread.join(60)
+
+    print("\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles | RSS MiB |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in results:
+        p50 = f"{1e3 * r['p50_s']:.0f}" if r["p50_s"] is not None else "-"
+        p99 = f"{1e3 * r['p99_s']:.0f}" if r["p99_s"] is not None else "-"
+        print(
+            f"| {r['name']} | {r['requests']} | {r['statuses']} | {r['requests_per_s']:.1f} | "
+            f"{p50} | {p99} | {r['compiles']} | "
+            f"{r['rss_start_mib']:.0f} -> {r['rss_end_mib']:.0f} |"
+        )
+    ratio = results[1]["requests_per_s"] / max(results[0]["requests_per_s"], 1e-9)
+    print(f"\nHTTP / in-process throughput: {ratio:.2f}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"model": model, "results": results}))
+    if args.plot:
+        plot(results, args.plot, f"soak: {model}, {args.clients} clients")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Offline scoring jobs: a table of pairs or requests in, a table of scores out, resumable after
+a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
+
+from tpuscore.jobs.job import JobSummary, load_scorer, score_table
+from tpuscore.jobs.scoring import JobConfigError, RowError, RowFailed, Spec, score_rows
+from tpuscore.jobs.tables import TableError, open_table
+
+__all__ = [
+    "JobConfigError",
+    "JobSummary",
+    "RowError",
+    "RowFailed",
+    "Spec",
+    "TableError",
+    "load_scorer",
+    "open_table",
+    "score_rows",
+    "score_table",
+]

@@ -1,0 +1,83 @@
+"""A job's manifest: which shards are committed, so a re-run resumes after the last of them.
+
+It sits beside the output as `<output>.manifest.json` and is replaced atomically (written aside,
+then renamed) after each shard; that rename is the shard's commit point. It also holds the job's
+settings, so a re-run with other settings is refused instead of mixing two jobs' rows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import fsspec
+
+from tpuscore.jobs.shards import commit
+
+FORMAT = "tpuscore-job/1"
+
+
+@attrs.frozen
+class ShardRecord:
+    """A committed shard: its file (in the output directory), its input rows [first_row,
+    first_row + rows), the rows written (rows less the errors) and the errors file's length
+    once its errors were appended."""
+
+    file: str
+    first_row: int
+    rows: int
+    written: int
+    errors: int
+    errors_bytes: int
+
+
+@attrs.frozen
+class Manifest:
+    """settings: what the job was run with (compared on resume). complete: every input row is
+    in a committed shard."""
+
+    settings: dict[str, Any]
+    shards: tuple[ShardRecord, ...] = ()
+    complete: bool = False
+
+    @property
+    def next_row(self) -> int:
+        """The first input row no committed shard holds."""
+        return self.shards[-1].first_row + self.shards[-1].rows if self.shards else 0
+
+    @property
+    def errors_bytes(self) -> int:
+        return self.shards[-1].errors_bytes if self.shards else 0
+
+    def committed(self, shard: ShardRecord) -> Manifest:
+        return attrs.evolve(self, shards=(*self.shards, shard))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "settings": self.settings,
+            "complete": self.complete,
+            "shards": [attrs.asdict(s) for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Manifest:
+        if value.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest (format {value.get('format')!r})")
+        shards = tuple(ShardRecord(**s) for s in value["shards"])
+        return cls(value["settings"], shards, bool(value["complete"]))
+
+
+def load(fs: fsspec.AbstractFileSystem, path: str) -> Manifest | None:
+    """The manifest at `path`, or None if there is none."""
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as f:
+        return Manifest.from_json(json.loads(f.read()))
+
+
+def save(fs: fsspec.AbstractFileSystem, path: str, manifest: Manifest) -> None:
+    """Replace the manifest at `path` atomically: a reader (or a re-run after a crash) sees the
+    old one or the new one, never a mix."""
+    commit(fs, path, json.dumps(manifest.to_json(), indent=1).encode())

@@ -1,0 +1,144 @@
+"""Tables in and out: Parquet, JSON Lines and CSV read as a stream of Arrow record batches, from
+local paths or fsspec URLs (`file://`, `memory://`, `gs://` and `s3://` with gcsfs / s3fs).
+
+Only the columns a job needs are read where the format allows it (Parquet, CSV), and never more
+than one record batch at a time, so memory holds O(batch), not O(rows).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import attrs
+import fsspec
+import pyarrow as pa
+
+FORMATS = ("parquet", "jsonl", "csv")
+_SUFFIXES = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+}
+
+
+class TableError(ValueError):
+    """A table that cannot be read or written as asked: missing, unknown format, missing column."""
+
+
+def table_format(url: str, given: str | None = None) -> str:
+    """The format of `url`: `given`, else from its suffix (.parquet/.pq, .jsonl/.ndjson/.json,
+    .csv)."""
+    if given is not None:
+        if given not in FORMATS:
+            raise TableError(f"format {given!r} is unknown; expected one of {', '.join(FORMATS)}")
+        return given
+    suffix = os.path.splitext(url.rstrip("/"))[1].lower()
+    if suffix not in _SUFFIXES:
+        raise TableError(
+            f"cannot tell the format of {url!r} from its suffix; name a .parquet, .jsonl or "
+            ".csv file (or pass the format)"
+        )
+    return _SUFFIXES[suffix]
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of `url` and the path on it (a plain path is a local file)."""
+    fs, path = fsspec.core.url_to_fs(os.fspath(url))
+    return fs, path
+
+
+@attrs.define
+class Table:
+    """An input table: its URL, format and schema, and its row count where the format records it
+    (Parquet) or where it was counted (`count_rows`)."""
+
+    url: str
+    format: str
+    schema: pa.Schema
+    num_rows: int | None
+
+    def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """The table's rows in order, as record batches of at most `batch_rows` rows holding
+        `columns` (in that order)."""
+        missing = [c for c in columns if c not in self.schema.names]
+        if missing:
+            raise TableError(
+                f"{self.url} has no column {missing[0]!r}; its columns are "
+                f"{', '.join(self.schema.names)}"
+            )
+        fs, path = filesystem(self.url)
+        with fs.open(path, "rb") as f:
+            for batch in _read(f, self.format, list(columns), batch_rows):
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield batch.slice(start, batch_rows).select(list(columns))
+
+    def count_rows(self) -> int:
+        """The row count, counted by reading the file once (lines for JSON Lines and CSV: a
+        quoted newline inside a CSV field counts as a row, so that count is an estimate)."""
+        if self.num_rows is None:
+            fs, path = filesystem(self.url)
+            lines, last = 0, b"\n"
+            with fs.open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    lines += chunk.count(b"\n")
+                    last = chunk[-1:]
+            lines += last != b"\n"  # a last line without its newline
+            self.num_rows = max(0, lines - (self.format == "csv"))  # the header
+        return self.num_rows
+
+
+def open_table(url: str | os.PathLike, format: str | None = None) -> Table:
+    """The table at `url` with its schema (read from its start; JSON Lines and CSV types are
+    inferred from the first block, as pyarrow infers them)."""
+    url = os.fspath(url)
+    fmt = table_format(url, format)
+    fs, path = filesystem(url)
+    if not fs.isfile(path):
+        raise TableError(f"{url}: no such file")
+    with fs.open(path, "rb") as f:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(f)
+            return Table(url, fmt, meta.schema_arrow, meta.metadata.num_rows)
+        reader = _open_stream(f, fmt, None)
+        return Table(url, fmt, reader.schema, None)
+
+
+def _open_stream(f, fmt: str, columns: list[str] | None):
+    if fmt == "jsonl":
+        import pyarrow.json as pj
+
+        return pj.open_json(f)
+    import pyarrow.csv as pc
+
+    return pc.open_csv(f, convert_options=pc.ConvertOptions(include_columns=columns))
+
+
+def _read(f, fmt: str, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=columns)
+        return
+    yield from _open_stream(f, fmt, columns)
+
+
+def write_table(table: pa.Table, fs: fsspec.AbstractFileSystem, path: str, fmt: str) -> None:
+    """Write `table` to `path` as Parquet or JSON Lines (one object per row, columns in order)."""
+    with fs.open(path, "wb") as f:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, f)
+        elif fmt == "jsonl":
+            import json
+
+            for row in table.to_pylist():
+                f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
+        else:
+            raise TableError(f"cannot write {fmt}; output is parquet or jsonl")

@@ -1,0 +1,150 @@
+"""What keeps a long-lived server bounded, apart from its routes: deadlines, disconnects, hosts,
+JSON nesting.
+
+- A request's deadline comes from the `X-Request-Timeout` header (seconds), capped by the
+  server's `--request-timeout`; the Batcher drops a request past it unscored (504).
+- A client that disconnects while its request waits cancels it (`unless_disconnected`): it is
+  never scored, logged at INFO and counted as status 499, the code nginx gave to this case.
+- `AllowedHosts` refuses a Host header outside a list (a DNS-rebinding page in a browser reaches
+  a loopback server under its own host name); on by default for loopback binds.
+- `parse_json` bounds nesting depth, so that no deeply nested body reaches recursive code (repr,
+  model validation) to end in a RecursionError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import math
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+from tpuscore.api.errors import ValidationError
+
+T = TypeVar("T")
+
+TIMEOUT_HEADER = "X-Request-Timeout"
+# Nesting of a request body: every endpoint's fields are at most 3 deep (a body, its items, an
+# item's token ids), so 32 leaves room and stays far from Python's recursion limit.
+MAX_JSON_DEPTH = 32
+# The Host names a loopback server answers by default.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# The status a request whose client left is counted as (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class JsonTooDeep(ValueError):
+    """A JSON body nested deeper than MAX_JSON_DEPTH."""
+
+
+def request_timeout(headers: Mapping[str, str], server_timeout: float | None) -> float | None:
+    """Seconds until a request's deadline: the header's value, at most the server's; the
+    server's without the header; None for no deadline. A bad header value is invalid_argument."""
+    raw = headers.get(TIMEOUT_HEADER.lower())
+    if raw is None:
+        return server_timeout
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValidationError(
+            "invalid_argument",
+            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}",
+            TIMEOUT_HEADER,
+        )
+    return seconds if server_timeout is None else min(seconds, server_timeout)
+
+
+async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
+    """`await work`, cancelled if the client disconnects first (then ClientDisconnected).
+
+    receive is the ASGI receive of a request whose body has been read: its next message is
+    `http.disconnect`, when the client leaves (uvicorn sends it on a lost connection)."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def parse_json(body: bytes | str) -> Any:
+    """The body's JSON value. Raises ValueError (JsonTooDeep past MAX_JSON_DEPTH, or
+    json.JSONDecodeError) for what is not JSON within the bound."""
+    try:
+        value = json.loads(body)
+    except RecursionError:  # deeper than the parser's own bound
+        raise JsonTooDeep(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    opens = body.count(b"[" if isinstance(body, bytes) else "[")
+    opens += body.count(b"{" if isinstance(body, bytes) else "{")
+    if opens > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        raise JsonTooDeep(f"the JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a scalar is 0)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return deepest if isinstance(value, (list, dict)) else 0
+
+
+def default_allowed_hosts(bind_host: str) -> list[str] | None:
+    """The Host names a server bound to bind_host answers by default: the loopback names for a
+    loopback bind, any (None) otherwise, where a proxy or the deployment decides."""
+    if bind_host == "localhost":
+        return list(LOOPBACK_HOSTS)
+    try:
+        loopback = ipaddress.ip_address(bind_host).is_loopback
+    except ValueError:
+        return None
+    return list(LOOPBACK_HOSTS) if loopback else None
+
+
+class AllowedHosts:
+    """ASGI middleware: an HTTP request whose Host header (port aside) is not in `hosts` gets
+    `refuse(host)`, a response; lifespan and other scopes pass. `*` allows any host."""
+
+    def __init__(self, app: Any, hosts: Collection[str], refuse: Callable[[str], Any]):
+        self.app = app
+        self.hosts = {h.lower().strip("[]") for h in hosts}
+        self.refuse = refuse
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "*" not in self.hosts:
+            host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+            if host not in self.hosts:
+                await self.refuse(host)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, lower case, without its port or IPv6 brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header[1:]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header

@@ -1,0 +1,168 @@
+"""lm-evaluation-harness on tpuscore: a local multiple-choice task and a local perplexity task
+(tests/data/lm_eval/) through `simple_evaluate`, with the harness's own `hf` model and with
+"tpuscore" on the same tiny checkpoint, give identical accuracies and every request's
+log-likelihood within 1e-4 (float32)."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import lm_eval
+import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+
+from hf_reference import BOS, EOS
+from tpuscore.integrations.lm_eval import TpuscoreLM
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TASKS = ["tpuscore_mc", "tpuscore_ppl"]
+# Short enough that some multiple-choice requests are truncated from the left and every longer
+# document spans several rolling windows; both models get it.
+MAX_LENGTH = 48
+ATOL = 1e-4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_dir, tmp_path_factory):
+    """The BOS-adding tiny checkpoint, with the tokenizer_config.json a Hugging Face tokenizer
+    needs to know its BOS and EOS (the harness's `hf` model starts rolling windows from them)."""
+    path = tmp_path_factory.mktemp("lm_eval") / "checkpoint"
+    shutil.copytree(checkpoint_dir("llama3_rope_tied"), path)
+    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def evaluated(checkpoint):
+    """simple_evaluate's output per model, with per-request samples. Run from the repository
+    root: the task files name their data relative to it."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        manager = TaskManager(include_path=str(ROOT / "tests/data/lm_eval"))
+        args = f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}"
+        return {
+            model: lm_eval.simple_evaluate(
+                model=model,
+                model_args=args,
+                tasks=TASKS,
+                task_manager=manager,
+                device="cpu",
+                log_samples=True,
+            )
+            for model in ("hf", "tpuscore")
+        }
+    finally:
+        os.chdir(cwd)
+
+
+def test_identical_accuracy_and_perplexity(evaluated):
+    hf, ours = (evaluated[m]["results"] for m in ("hf", "tpuscore"))
+    assert hf["tpuscore_mc"]["sample_len"] == ours["tpuscore_mc"]["sample_len"] == 8
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["tpuscore_mc"][metric] == hf["tpuscore_mc"][metric]
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["tpuscore_ppl"][metric] == pytest.approx(hf["tpuscore_ppl"][metric], rel=1e-5)
+
+
+@pytest.mark.parametrize("task, requests", [("tpuscore_mc", 32), ("tpuscore_ppl", 4)])
+def test_every_request_within_1e_4(evaluated, task, requests):
+    hf, ours = (evaluated[m]["samples"][task] for m in ("hf", "tpuscore"))
+    assert len(hf) == len(ours)
+    pairs = [
+        (a, b)
+        for hf_doc, doc in zip(hf, ours, strict=True)
+        for a, b in zip(hf_doc["filtered_resps"], doc["filtered_resps"], strict=True)
+    ]
+    assert len(pairs) == requests
+    for a, b in pairs:
+        if task == "tpuscore_mc":  # (logprob, is_greedy)
+            assert b[0] == pytest.approx(a[0], abs=ATOL)
+            assert b[1] == a[1]
+        else:  # the document's summed log-likelihood
+            assert b == pytest.approx(a, abs=ATOL)
+
+
+def instances(kind, args):
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def test_each_context_runs_once_and_results_keep_request_order(checkpoint, monkeypatch):
+    lm = TpuscoreLM(pretrained=str(checkpoint), dtype="float32", max_length=MAX_LENGTH)
+    scorer = lm.scorer
+    calls = []
+    original = scorer.loglikelihood
+
+    def recording(context, continuations, **kwargs):
+        calls.append((tuple(context), len(continuations)))
+        return original(context, continuations, **kwargs)
+
+    monkeypatch.setattr(scorer, "loglikelihood", recording)
+    args = [("The fox", " jumps"), ("A dog", " sat"), ("The fox", " ran far"), ("A dog", " ran")]
+    got = lm.loglikelihood(instances("loglikelihood", args))
+    assert sorted(n for _, n in calls) == [2, 2]
+    assert len({context for context, _ in calls}) == 2
+    for (context, continuation), (logprob, greedy) in zip(args, got, strict=True):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        (alone,) = original(context_ids, [continuation_ids])
+        assert logprob == pytest.approx(alone.logprob, abs=1e-5)
+        assert greedy == alone.is_greedy
+
+
+def test_generate_until_says_tpuscore_does_not_generate(checkpoint):
+    lm = TpuscoreLM(pretrained=str(checkpoint), dtype="float32")
+    request = Instance("generate_until", {}, ("Q: 2 + 2?\nA:", {"until": ["\n"]}), 0)
+    with pytest.raises(NotImplementedError, match="does not generate"):
+        lm.generate_until([request])
+
+
+def test_the_prefix_and_max_length_follow_the_checkpoint(checkpoint, scorers):
+    lm = TpuscoreLM(pretrained=str(checkpoint), dtype="float32")
+    tokenizer = scorers("llama3_rope_tied").tokenizer
+    assert lm.prefix_token_id == tokenizer.token_to_id(BOS)
+    assert lm.eot_token_id == tokenizer.token_to_id(EOS)
+    assert lm.max_length == lm.scorer.config.max_position_embeddings - 1
+    with pytest.raises(ValueError, match="max_length"):
+        TpuscoreLM(pretrained=str(checkpoint), max_length=lm.max_length + 1)
+
+
+def test_importing_tpuscore_does_not_import_lm_eval():
+    code = "import sys, tpuscore; assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+def test_the_documented_command_runs_the_harness_cli(checkpoint, tmp_path):
+    """docs/lm_eval.md's command: the harness's CLI with "tpuscore" registered."""
+    command = [
+        sys.executable,
+        "-m",
+        "tpuscore.integrations.lm_eval",
+        "run",
+        "--model",
+        "tpuscore",
+        "--model_args",
+        f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}",
+        "--include_path",
+        "tests/data/lm_eval",
+        "--tasks",
+        "tpuscore_mc",
+        "--limit",
+        "2",
+        "--output_path",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (written,) = tmp_path.rglob("results_*.json")
+    results = json.loads(written.read_text())["results"]["tpuscore_mc"]
+    assert results["sample_len"] == 2
+    assert 0.0 <= results["acc,none"] <= 1.0

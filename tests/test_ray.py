@@ -1,0 +1,76 @@
+"""tpuscore.integrations.ray on a local Ray cluster (2 CPUs, one cluster for the module): a
+dataset of pair rows scored by actors equals the in-process scorer, ids in place, and a bad row
+lands in the error columns instead of failing the dataset."""
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from test_jobs import CASE, LABELS, pairs_table, reference
+from tpuscore.jobs import load_scorer
+
+ray = pytest.importorskip("ray")
+
+SPEC = dict(
+    labels=LABELS, query_column="user_text", item_column="item_text", id_columns=["item_id"]
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def test_a_dataset_scores_as_the_in_process_scorer(cluster, checkpoint_dir, rng):
+    from tpuscore.integrations.ray import score_dataset
+
+    table = pairs_table(rng, 37).to_pydict()
+    bad = int(rng.integers(0, 37))
+    table["item_text"][bad] = None
+    dataset = ray.data.from_arrow(pa.table(table)).repartition(3)
+    scored = score_dataset(
+        dataset,
+        model=str(checkpoint_dir(CASE)),
+        dtype="float32",
+        batch_size=16,
+        concurrency=1,
+        num_cpus=1,
+        **SPEC,
+    )
+    out = pa.concat_tables(ray.get(scored.to_arrow_refs())).sort_by("item_id")
+    assert out.column_names == [
+        "item_id", "logprob_a", "logprob_b", "score_a", "score_b", "error_code", "error",
+    ]  # fmt: skip
+    assert out.column("item_id").to_pylist() == sorted(table["item_id"])  # every row, once
+    codes = out.column("error_code").to_pylist()
+    assert codes[bad] == "invalid_items" and "None" in out.column("error")[bad].as_py()
+    assert codes.count(None) == 36 and out.column("logprob_a")[bad].as_py() is None
+    good = [r for r in range(37) if r != bad]
+    expected = reference(
+        load_scorer(checkpoint_dir(CASE), dtype="float32"),
+        [table["user_text"][r] for r in good],
+        [table["item_text"][r] for r in good],
+    )
+    got = np.stack([out.column(c).to_numpy()[good] for c in ("logprob_a", "logprob_b")], 1)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+
+
+def test_score_rows_takes_pandas_and_returns_pandas(checkpoint_dir, rng):
+    from tpuscore.integrations.ray import ScoreRows
+
+    table = pairs_table(rng, 5)
+    score = ScoreRows(str(checkpoint_dir(CASE)), dtype="float32", **SPEC)
+    frame = score(table.to_pandas())
+    assert list(frame["item_id"]) == table.column("item_id").to_pylist()
+    assert frame["error_code"].isna().all()
+    arrow = score(table)
+    np.testing.assert_array_equal(
+        frame["logprob_a"].to_numpy(), arrow.column("logprob_a").to_numpy()
+    )

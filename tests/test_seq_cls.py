@@ -1,0 +1,134 @@
+"""Classification-head checkpoints (`*ForSequenceClassification`): class logits at the pooled
+token, equal to transformers' `AutoModelForSequenceClassification` in every backend."""
+
+import numpy as np
+import pytest
+import scipy.special
+
+from helpers import random_tokens
+from hf_reference import hf_class_logits
+from tpuscore import ValidationError
+
+# The backbones are test_parity_hf's; the head is one matmul shared by all, so the quick run
+# takes one logit (llama), pad pooling (qwen3) and Gemma 1, and `slow` adds three classes.
+SEQ_CLS_CASES = (
+    "llama_seq_cls",
+    "qwen3_seq_cls",
+    "gemma_seq_cls",
+    pytest.param("qwen2_seq_cls", marks=pytest.mark.slow),
+)
+BACKENDS = ("serial", "prefill_extend", "packed_dense", "packed_segment", "reference")
+ATOL = 1e-4  # float32
+PAD = 1  # qwen3_seq_cls's pad_token_id
+
+
+@pytest.mark.parametrize("case", SEQ_CLS_CASES)
+def test_class_logits_match_transformers(case, checkpoint_dir, scorers, rng):
+    scorer = scorers(case)
+    vocab, classes = scorer.config.vocab_size, scorer.config.num_labels
+    query = random_tokens(rng, int(rng.integers(1, 40)), vocab)
+    items = [random_tokens(rng, n, vocab) for n in (0, 1, 6, 17)]
+    items[2][-2:] = [PAD, PAD]  # trailing padding: transformers pools the token before it
+    expected = hf_class_logits(checkpoint_dir(case), [query + item for item in items])
+    assert expected.shape == (4, classes)
+    for backend in BACKENDS:
+        result = scorer.score(query, items, backend=backend)
+        assert result.classification
+        np.testing.assert_allclose(result.logprobs, expected, atol=ATOL, rtol=0, err_msg=backend)
+
+
+def test_scores_are_logits_or_class_probabilities(scorers):
+    two, one = scorers("qwen3_seq_cls"), scorers("llama_seq_cls")
+    logits = two.score([5, 6, 7], [[8], [9, 10]]).logprobs
+    assert np.array_equal(two.score([5, 6, 7], [[8], [9, 10]]).scores, logits)
+    softmax = two.score([5, 6, 7], [[8], [9, 10]], apply_softmax=True).scores
+    np.testing.assert_allclose(softmax, scipy.special.softmax(logits, axis=1), rtol=1e-6)
+    single = one.score([5, 6, 7], [[8], [9, 10]], apply_softmax=True)
+    assert single.scores.shape == (2, 1)
+    np.testing.assert_allclose(single.scores, scipy.special.expit(single.logprobs), rtol=1e-6)
+    assert two.score([5], []).logprobs.shape == (0, 2)
+
+
+def test_class_names_come_from_id2label(scorers):
+    assert scorers("qwen2_seq_cls").config.id2label == ("negative", "neutral", "positive")
+    assert scorers("qwen3_seq_cls").config.num_labels == 2  # from the head: no id2label written
+
+
+@pytest.mark.parametrize(
+    "kwargs, query, items, code, param",
+    [
+        (
+            {"label_token_ids": [1, 2]},
+            [5],
+            [[6]],
+            "labels_on_classification_model",
+            "label_token_ids",
+        ),
+        ({"labels": ["a"]}, "q", ["x"], "labels_on_classification_model", "labels"),
+        ({}, [5, PAD], [[PAD, PAD]], "padding_only_item", "items"),
+    ],
+)
+def test_classification_requests_refused(scorers, kwargs, query, items, code, param):
+    with pytest.raises(ValidationError) as raised:
+        scorers("qwen3_seq_cls").score(query, items, **kwargs)
+    assert (raised.value.code, raised.value.param) == (code, param)
+
+
+def test_server_scores_and_reranks_a_classification_model(scorers):
+    """SGLang's /v1/score without label_token_ids answers the class logits (their softmax with
+    apply_softmax); /v1/rerank ranks by the relevant class (the last) through the template."""
+    import httpx
+
+    from test_server import TEMPLATE, ServerThread
+    from tpuscore.serving import app as server
+
+    scorer = scorers("qwen3_seq_cls")
+    running = ServerThread(server.create_app(scorer, rerank_template=TEMPLATE))
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as client:
+            body = {"query": [5, 6, 7], "items": [[8], [9, 10]]}
+            for softmax in (False, True):
+                got = client.post("/v1/score", json=body | {"apply_softmax": softmax})
+                assert got.status_code == 200, got.text
+                expected = scorer.score(**body, apply_softmax=softmax).scores
+                np.testing.assert_allclose(got.json()["scores"], expected, rtol=1e-5, atol=1e-6)
+            refused = client.post("/v1/score", json=body | {"label_token_ids": [1]})
+            assert refused.status_code == 400
+            assert refused.json()["code"] == "labels_on_classification_model"
+            docs = ["a fox", "the market", "a river", "rotary embeddings"]
+            ranked = client.post("/v1/rerank", json={"query": "fox?", "documents": docs})
+            assert ranked.status_code == 200, ranked.text
+            expected = scorer.rank(
+                TEMPLATE.render_query("fox?"),
+                [TEMPLATE.render_item(d) for d in docs],
+                item_suffix=TEMPLATE.item_suffix,
+                positive=1,
+            )
+            results = ranked.json()["results"]
+            assert [r["index"] for r in results] == [r.index for r in expected]
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in results], [r.score for r in expected], rtol=1e-5
+            )
+    finally:
+        running.stop()
+
+
+def test_warmup_runs_on_a_classification_model(scorers):
+    from helpers import fresh
+
+    warmed = fresh(scorers("llama_seq_cls")).warmup([(5, 2, 3)], backends=["serial"])
+    assert [w.backend for w in warmed] == ["serial"]
+
+
+def test_orbax_round_trip_keeps_the_head(scorers, tmp_path):
+    from tpuscore import Scorer
+
+    scorer = scorers("qwen2_seq_cls")
+    scorer.save(tmp_path / "ckpt")
+    restored = Scorer.from_pretrained(tmp_path / "ckpt", dtype="float32")
+    assert restored.config == scorer.config  # id2label and the rest through tpuscore.json
+    query, items = [5, 6, 7], [[8], [9, 10]]
+    np.testing.assert_array_equal(
+        restored.score(query, items, backend="serial").logprobs,
+        scorer.score(query, items, backend="serial").logprobs,
+    )

@@ -1,0 +1,295 @@
+"""A soak of `tpuscore serve` on a tiny checkpoint over real HTTP on 127.0.0.1 (issue 25).
+
+One server takes, in turn: mixed traffic from many clients (/v1/score and /v1/rerank, varied
+geometries), a huge request among small ones, clients that give up, a burst past its queue and
+requests past their deadline. Loops are bounded in count and time. The checks: every 200 equals
+the scorer run directly, no 500 ever, nobody's abandoned or expired request is scored, a small
+request waits at most about two batches while the huge one runs, resident memory stays bounded,
+and (once the engine's finite shape set lands) nothing compiles after warmup.
+"""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from jax import monitoring
+
+from helpers import COMPILE_EVENT, ServerThread, random_tokens, rss_mib, seeded_rng
+from tpuscore.api import templates
+from tpuscore.serving import app as server
+
+CASE = "qwen3_qknorm"
+CLIENTS = 12
+REQUESTS_PER_CLIENT = 6
+HUGE_ITEMS = 200
+MAX_BATCH_TOKENS = 2048
+# One request's tokens per batch. Every request here is sized so that its batch chunk holds
+# 257..384 tokens and 5..8 items: every device step of the soak then has one length bucket
+# (384) and one item-slot count (8), and the soak compiles only its row counts (1, 2, 4, 8).
+MAX_REQUEST_STEP_TOKENS = 384
+MAX_PENDING = 48
+TIMEOUT = httpx.Timeout(60.0)
+RSS_GROWTH_MIB = 256  # after warmup; each new XLA executable costs a few MiB
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In the morning the market opens early.",
+    "Rotary position embeddings rotate queries and keys.",
+    "Children played in the park until the evening.",
+    "The river ran past the old mill.",
+    "A fox hid in the hedge.",
+]
+QUERIES = ["Which passage is about a fox?", "What opens early?", "Where is the mill?"]
+TEMPLATE = templates.Template(  # single-byte labels: single tokens in the tiny tokenizer
+    name="soak",
+    query="{instruction}\n\nQuery: {query}\n",
+    item="Document: {item}",
+    item_suffix="\nRelevant:",
+    labels=("y", "n"),
+    default_instruction="Judge whether the document is relevant to the query.",
+)
+
+
+class Gated:
+    """The scorer on one backend (packed_dense: auto may move a batch to another backend, with
+    shapes of its own), recording each run's requests and start time; while `gate` is clear a
+    run waits for it, so that requests pile up in the queue."""
+
+    default_backend = "packed_dense"
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+        self.gate = threading.Event()
+        self.gate.set()
+        self.queries: list[tuple] = []
+        self.started: list[float] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def run(self, requests, *, backend=None):
+        if requests:
+            with self.lock:
+                self.started.append(time.monotonic())
+                self.queries.extend(tuple(r.query) for r in requests)
+            assert self.gate.wait(60)
+        return self.scorer.run(requests, backend=backend or self.default_backend)
+
+
+def score_request(rng, vocab) -> dict:
+    """A small request: random tokens and options in one geometry (a 200-token query, 6 items of
+    12 tokens), so that the traffic meets few shapes until the engine's shape set bounds them."""
+    return {
+        "query": random_tokens(rng, 200, vocab),
+        "items": [random_tokens(rng, 12, vocab) for _ in range(6)],
+        "label_token_ids": random_tokens(rng, 2, vocab),
+        "apply_softmax": bool(rng.integers(0, 2)),
+    }
+
+
+def rerank_request(rng) -> dict:
+    docs = [DOCS[i] for i in rng.permutation(len(DOCS))]
+    return {"query": QUERIES[int(rng.integers(len(QUERIES)))], "documents": docs}
+
+
+def metric(text: str, endpoint: str, status: str) -> float:
+    line = f'tpuscore_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    return sum(float(row[len(line) :]) for row in text.splitlines() if row.startswith(line))
+
+
+async def send(client, path, body, **kwargs):
+    start = time.monotonic()
+    response = await client.post(path, json=body, **kwargs)
+    return response, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def soak(scorers):
+    """Run the whole soak once; the tests below check what it recorded."""
+    scorer = scorers(CASE)
+    vocab = scorer.config.vocab_size
+    gated = Gated(scorer)
+    compiles: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_: compiles.append(event) if event == COMPILE_EVENT else None
+    )
+    app = server.create_app(
+        gated,
+        rerank_template=TEMPLATE,
+        max_items=HUGE_ITEMS,
+        batcher_options={
+            "max_wait_ms": 2,
+            "max_batch_tokens": MAX_BATCH_TOKENS,
+            "max_request_step_tokens": MAX_REQUEST_STEP_TOKENS,
+            "max_pending": MAX_PENDING,
+        },
+    )
+    rng = seeded_rng("test_soak")  # replayable with the run's seed
+    running = ServerThread(app)
+    record: dict = {"answers": [], "phases": {}}
+    began = time.monotonic()
+
+    def phase(name):  # seconds since the start, per phase: the test's report says where time went
+        record["phases"][name] = round(time.monotonic() - began, 1)
+        print(f"soak: {name} done at {record['phases'][name]} s, {len(compiles)} compiles")
+
+    async def traffic():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT, limits=limits) as c:
+            # Warmup: the request mix in bursts of each size the clients will make.
+            for size in (1, 2, 3, 7, 8, 1, 2, 3, 7, 8):
+                await asyncio.gather(
+                    *(send(c, "/v1/score", score_request(rng, vocab)) for _ in range(size)),
+                    *(send(c, "/v1/rerank", rerank_request(rng)) for _ in range(size // 4)),
+                )
+            phase("warm")
+            record["rss_warm"] = rss_mib()
+            record["compiles_warm"] = len(compiles)
+
+            # Mixed traffic from many clients.
+            async def client():
+                out = []
+                for _ in range(REQUESTS_PER_CLIENT):
+                    if rng.integers(0, 3):
+                        body = score_request(rng, vocab)
+                        out.append(("/v1/score", body, *await send(c, "/v1/score", body)))
+                    else:
+                        body = rerank_request(rng)
+                        out.append(("/v1/rerank", body, *await send(c, "/v1/rerank", body)))
+                return out
+
+            for answers in await asyncio.gather(*(client() for _ in range(CLIENTS))):
+                record["answers"] += answers
+
+            # A huge request among small ones: small clients keep sending while it runs.
+            huge = {
+                "query": random_tokens(rng, 12, vocab),
+                "items": [random_tokens(rng, 45, vocab) for _ in range(HUGE_ITEMS)],
+                "label_token_ids": [3, 5],
+            }
+            big = asyncio.ensure_future(send(c, "/v1/score", huge))
+            while not any(q == tuple(huge["query"]) for q in gated.queries):
+                await asyncio.sleep(0.005)
+            small = []
+            while not big.done() and len(small) < 40:
+                body = score_request(rng, vocab)
+                started = time.monotonic()
+                response, latency = await send(c, "/v1/score", body)
+                small.append((started, latency))
+                record["answers"].append(("/v1/score", body, response, latency))
+            record["answers"].append(("/v1/score", huge, *await big))
+            phase("huge")
+            record["small_during_huge"] = small
+            record["huge_runs"] = sum(q == tuple(huge["query"]) for q in gated.queries)
+
+            # Abandoned requests: the worker held, clients give up after 0.3 s.
+            gated.gate.clear()
+            runs = len(gated.started)
+            blocker = asyncio.ensure_future(send(c, "/v1/score", score_request(rng, vocab)))
+            while len(gated.started) == runs:  # the worker is held in the blocker's run
+                await asyncio.sleep(0.005)
+            abandoned = [score_request(rng, vocab) for _ in range(8)]
+            quick = httpx.Timeout(0.3)
+            for outcome in await asyncio.gather(
+                *(c.post("/v1/score", json=b, timeout=quick) for b in abandoned),
+                return_exceptions=True,
+            ):
+                assert isinstance(outcome, httpx.TimeoutException), outcome
+            # Past their deadline: the header sets it.
+            phase("abandoned")
+            expired = [score_request(rng, vocab) for _ in range(3)]
+            headers = {"X-Request-Timeout": "0.2"}
+            expired_answers = await asyncio.gather(
+                *(send(c, "/v1/score", b, headers=headers) for b in expired)
+            )
+            record["expired"] = [(b, r) for b, (r, _) in zip(expired, expired_answers, strict=True)]
+            # An overload burst while the worker is held.
+            phase("expired")
+            burst = [score_request(rng, vocab) for _ in range(2 * MAX_PENDING)]
+            burst_futures = [asyncio.ensure_future(send(c, "/v1/score", b)) for b in burst]
+            await asyncio.sleep(0.5)
+            gated.gate.set()
+            for body, (response, latency) in zip(
+                burst, await asyncio.gather(*burst_futures), strict=True
+            ):
+                record["answers"].append(("/v1/score", body, response, latency))
+            phase("burst")
+            await blocker
+            record["abandoned"] = abandoned
+            record["metrics"] = (await c.get("/metrics")).text
+            record["health"] = (await c.get("/health")).status_code
+
+    try:
+        asyncio.run(asyncio.wait_for(traffic(), timeout=120))
+    finally:
+        running.stop()
+    record["seconds"] = time.monotonic() - began
+    record["rss_end"] = rss_mib()
+    record["compiles_end"] = len(compiles)
+    record["queries"] = set(gated.queries)
+    record["run_starts"] = list(gated.started)
+    record["scorer"] = scorer
+    return record
+
+
+@pytest.mark.slow
+def test_soak_answers_exactly_and_bounds_latency_and_memory(soak):
+    scorer = soak["scorer"]
+    statuses = [response.status_code for _, _, response, _ in soak["answers"]]
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert statuses.count(503) >= MAX_PENDING // 2, "the burst never overloaded the queue"
+    for path, body, response, _ in soak["answers"]:
+        if response.status_code == 503:
+            assert response.json()["code"] == "overloaded" and response.headers["retry-after"]
+            continue
+        if path == "/v1/score":
+            expected = scorer.score(**body, backend=Gated.default_backend).scores
+            got = response.json()["scores"]
+        else:
+            ranked = scorer.rank(
+                body["query"], body["documents"], template=TEMPLATE, backend=Gated.default_backend
+            )
+            expected = [r.score for r in ranked]
+            got = [r["relevance_score"] for r in response.json()["results"]]
+            assert [r["index"] for r in response.json()["results"]] == [r.index for r in ranked]
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
+
+    # Abandoned and expired requests: answered 499 / 504, never scored.
+    for body in soak["abandoned"]:
+        assert tuple(body["query"]) not in soak["queries"]
+    for body, response in soak["expired"]:
+        assert response.status_code == 504 and response.json()["code"] == "deadline_exceeded"
+        assert tuple(body["query"]) not in soak["queries"]
+    text = soak["metrics"]
+    assert metric(text, "/v1/score", "499") == len(soak["abandoned"])
+    assert metric(text, "/v1/score", "500") == metric(text, "/v1/rerank", "500") == 0
+    assert soak["health"] == 200
+
+    # The huge request ran over many batches; a small one sent meanwhile waited at most about
+    # two batches (the one running when it arrived and its own), plus HTTP slack.
+    assert soak["huge_runs"] >= HUGE_ITEMS * 45 // MAX_REQUEST_STEP_TOKENS
+    starts = np.array(soak["run_starts"])
+    small = soak["small_during_huge"]
+    assert len(small) >= 3
+    first, last = small[0][0], small[-1][0] + small[-1][1]
+    before = starts[starts < first].max()  # the batch running when the first small one came
+    during = np.diff(starts[(starts >= before) & (starts <= last)])
+    longest_batch = float(during.max()) if during.size else 0.0
+    bound = 2 * longest_batch + 0.5
+    assert max(latency for _, latency in small) <= bound, (small, longest_batch)
+
+    assert soak["rss_end"] - soak["rss_warm"] < RSS_GROWTH_MIB, (soak["rss_warm"], soak["rss_end"])
+    assert soak["seconds"] < 60
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=False,
+    reason="the engine's finite shape set (scorer.shapes(), warmup(all=True)) is not on main "
+    "yet: batches of varied requests still compile new shapes",
+)
+def test_soak_compiles_nothing_after_warmup(soak):
+    assert soak["compiles_end"] == soak["compiles_warm"]
