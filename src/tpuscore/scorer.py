@@ -29,10 +29,8 @@ from tpuscore.tasks import loglikelihood, ranking
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.ranking import RankedItem
 
-Query = str | list[int]
-Items = list[str] | list[list[int]]
-BackendOptions = Mapping[str, Mapping[str, Any]]
-Profile = DeviceProfile | str | os.PathLike
+Query, Items = str | list[int], list[str] | list[list[int]]
+BackendOptions, Profile = Mapping[str, Mapping[str, Any]], DeviceProfile | str | os.PathLike
 
 
 class Scorer:
@@ -52,6 +50,7 @@ class Scorer:
         profile: Profile | None = None,
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
+        batch_invariant: bool = False,
     ):
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`)."""
@@ -60,7 +59,7 @@ class Scorer:
             profile = DeviceProfile.load(profile)
         self.engine = Engine(
             model, tokenizer, backend=backend, backend_options=backend_options,
-            selector=selector, profile=profile,
+            selector=selector, profile=profile, batch_invariant=batch_invariant,
         )  # fmt: skip
 
     @classmethod
@@ -78,6 +77,7 @@ class Scorer:
         profile: Profile | None = None,
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
+        batch_invariant: bool = False,
     ) -> Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
@@ -90,6 +90,7 @@ class Scorer:
         return cls(
             config, params, tokenizer, dtype=np_dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
+            batch_invariant=batch_invariant,
         )  # fmt: skip
 
     def save(self, path: str | os.PathLike) -> None:

@@ -27,6 +27,7 @@ from tpuscore.backends.registry import (
 from tpuscore.backends.serial import SerialBackend, SerialOptions
 
 # The query must come first to be a shared prefix, so only serial and reference put items first.
+# packed_* cannot be batch-invariant: an item's neighbours in a packed row change its sums.
 # Registration order is auto's order of candidates (and so breaks its ties).
 register(
     "prefill_extend",
@@ -34,6 +35,7 @@ register(
     options=PrefillExtendOptions,
     item_first=False,
     auto=True,
+    batch_invariant=True,
 )
 register(
     "packed_segment",
@@ -44,8 +46,9 @@ register(
     auto=True,
 )
 register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False, auto=True)
-register("serial", SerialBackend, options=SerialOptions, auto=True)
-register("reference", ReferenceBackend)  # the oracle: never auto's pick
+register("serial", SerialBackend, options=SerialOptions, auto=True, batch_invariant=True)
+# The oracle, never auto's pick; one sequence at a time, so invariant as it is.
+register("reference", ReferenceBackend, batch_invariant=True)
 
 __all__ = [
     "AUTO",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -12,10 +13,18 @@ from tpuscore.models.model import Model
 
 class BackendPool:
     """One instance per backend name for one model. Options are validated when the pool is built,
-    so a bad option fails at construction, not mid-request. Thread-safe."""
+    so a bad option fails at construction, not mid-request. batch_invariant: build every
+    instance in that mode (its options' `batch_invariant` field set, where it has one).
+    Thread-safe."""
 
-    def __init__(self, model: Model, options: Mapping[str, Mapping[str, Any]] | None):
+    def __init__(
+        self,
+        model: Model,
+        options: Mapping[str, Mapping[str, Any]] | None,
+        batch_invariant: bool = False,
+    ):
         self.model = model
+        self.batch_invariant = batch_invariant
         options = options or {}
         self._options = {name: registry.backend_options(name, options[name]) for name in options}
         self._instances: dict[str, registry.Backend] = {}
@@ -23,7 +32,7 @@ class BackendPool:
 
     def fresh(self) -> BackendPool:
         """A pool of new instances (own caches and state) on the same model and options."""
-        pool = BackendPool(self.model, None)
+        pool = BackendPool(self.model, None, self.batch_invariant)
         pool._options = self._options
         return pool
 
@@ -34,5 +43,13 @@ class BackendPool:
                 options = self._options.get(name)
                 if options is None and reg.options is not None:
                     options = reg.options()
+                if self.batch_invariant and _has_field(options, "batch_invariant"):
+                    options = dataclasses.replace(options, batch_invariant=True)
                 self._instances[name] = reg.factory(self.model, options)
             return self._instances[name]
+
+
+def _has_field(options: Any, name: str) -> bool:
+    return dataclasses.is_dataclass(options) and any(
+        f.name == name for f in dataclasses.fields(options)
+    )

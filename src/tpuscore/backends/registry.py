@@ -52,11 +52,14 @@ class Capabilities:
     """What a backend can do. item_first: it can score items placed before the query.
     compiled_on: the platforms where it runs compiled code; elsewhere it runs in Pallas interpret
     mode (right, but slow, and never picked by auto). auto: "auto" may pick it, pricing its steps
-    (`work`) against the other candidates'."""
+    (`work`) against the other candidates'. batch_invariant: it can run in batch-invariant mode
+    (`Scorer(batch_invariant=True)`), where a request's scores are bit-identical whatever shares
+    its call; if its options class has a `batch_invariant` field, the pool sets it in that mode."""
 
     item_first: bool = True
     compiled_on: frozenset[str] = PLATFORMS
     auto: bool = False
+    batch_invariant: bool = False
 
     def compiled(self, platform: str) -> bool:
         return platform in self.compiled_on
@@ -81,6 +84,7 @@ def register(
     item_first: bool = True,
     compiled_on: frozenset[str] | set[str] = PLATFORMS,
     auto: bool = False,
+    batch_invariant: bool = False,
 ) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it.
 
@@ -98,6 +102,8 @@ def register(
         auto: whether "auto" may pick it. Its instances must then price the steps they would run
             (`work(batches) -> list[StepWork]`, with `peak_budget`, as `budgets.Budgeted`
             backends have), which `engine/selection.py` compares with the other candidates'.
+        batch_invariant: whether it can run in batch-invariant mode (`Capabilities`); if not,
+            a scorer in that mode refuses it (`ValidationError`, "batch_invariant_unsupported").
 
     Raises:
         ValueError: a bad name, options class or platform. TypeError: a factory that is not
@@ -113,7 +119,9 @@ def register(
         raise ValueError(f"options for backend {name!r} must be a dataclass, got {options!r}")
     if not set(compiled_on) <= PLATFORMS:
         raise ValueError(f"compiled_on must be a subset of {sorted(PLATFORMS)}, got {compiled_on}")
-    capabilities = Capabilities(bool(item_first), frozenset(compiled_on), bool(auto))
+    capabilities = Capabilities(
+        bool(item_first), frozenset(compiled_on), bool(auto), bool(batch_invariant)
+    )
     _REGISTRY[name] = Registration(name, factory, options, capabilities)
 
 
@@ -142,8 +150,17 @@ def backend_name(name: Any) -> str:
     return name
 
 
-def check_capabilities(name: str, item_first: bool) -> None:
-    """Refuse a request the backend cannot score."""
+def check_capabilities(name: str, item_first: bool, batch_invariant: bool = False) -> None:
+    """Refuse a request the backend cannot score (in batch-invariant mode, if it has none)."""
+    if batch_invariant and not registration(name).capabilities.batch_invariant:
+        supported = [n for n in available() if registration(n).capabilities.batch_invariant]
+        raise ValidationError(
+            "batch_invariant_unsupported",
+            f"backend {name!r} cannot make a request's scores independent of what shares its "
+            f"device steps, which batch_invariant=True requires; use one of "
+            f"{', '.join([AUTO, *supported])}",
+            "backend",
+        )
     if item_first and not registration(name).capabilities.item_first:
         raise ValidationError(
             "unsupported_option",

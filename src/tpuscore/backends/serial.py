@@ -25,16 +25,19 @@ from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
 MAX_ROWS = 64
+INVARIANT_ROWS = 16  # rows per step and device in batch-invariant mode, padding included
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SerialOptions:
     """max_batch_tokens: padded tokens per step and device (default 8192). activation_bytes: the
     memory budget a step's estimate must fit (default 256 MiB on CPU, an eighth of accelerator
-    memory)."""
+    memory). batch_invariant: every step's shape a function of its item's own sequence length
+    (set by `Scorer(batch_invariant=True)`)."""
 
     max_batch_tokens: int | None = None
     activation_bytes: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_batch_tokens", "activation_bytes"):
@@ -87,12 +90,11 @@ def serial_batch_rows(
 
 @attrs.frozen
 class SerialStep:
-    """One device step: items [start, stop) of group `group`, each padded to `length` tokens, in
-    `rows` rows (the items and padding rows to fill the mesh)."""
+    """One device step: items `items` of group `group`, each padded to `length` tokens, in
+    `rows` rows (the items and padding rows)."""
 
     group: int
-    start: int
-    stop: int
+    items: np.ndarray
     length: int
     rows: int
 
@@ -104,20 +106,34 @@ class SerialBackend(Budgeted):
         self.model = model
         self.max_batch_tokens = options.max_batch_tokens or 8192
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
+        self.batch_invariant = options.batch_invariant
 
     def schedule(self, batches: Sequence[ScoreBatch]) -> list[SerialStep]:
         """The steps that score these groups, one group at a time: every sequence of a group
-        padded to its longest one's bucket, as many per step as fit the budget on each device."""
+        padded to its longest one's bucket, as many per step as fit the budget on each device.
+
+        Batch-invariant: each sequence padded to its own length's bucket, and every step of a
+        bucket runs the same number of rows, padding rows included, so a step's shape depends
+        on its sequences' own lengths only, never on what else the call holds."""
         layout, steps = self.model.layout, []
         for g, batch in enumerate(batches):
-            T = bucket_tokens(int(batch.sequence_lens.max(initial=1)))
-            per_device = serial_batch_rows(
-                self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
-            )
-            rows = per_device * layout.data
-            for start in range(0, batch.num_items, rows):
-                stop = min(start + rows, batch.num_items)
-                steps.append(SerialStep(g, start, stop, T, layout.rows(stop - start)))
+            lens = batch.sequence_lens
+            if self.batch_invariant:
+                buckets = np.array([bucket_tokens(int(n)) for n in lens], int)
+            else:
+                buckets = np.full(len(lens), bucket_tokens(int(lens.max(initial=1))))
+            for T in sorted(set(buckets.tolist())):
+                (items,) = np.nonzero(buckets == T)
+                per_device = serial_batch_rows(
+                    self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
+                )
+                if self.batch_invariant:
+                    per_device = min(per_device, INVARIANT_ROWS)
+                rows = per_device * layout.data
+                for start in range(0, len(items), rows):
+                    chunk = items[start : start + rows]
+                    size = rows if self.batch_invariant else layout.rows(len(chunk))
+                    steps.append(SerialStep(g, chunk, T, size))
         return steps
 
     def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
@@ -146,18 +162,18 @@ class SerialBackend(Budgeted):
         return out.build()
 
     def _run(self, step: SerialStep, batch: ScoreBatch, out: GroupsOutputBuilder) -> None:
-        layout, n = self.model.layout, step.stop - step.start
+        layout, n = self.model.layout, len(step.items)
         tokens = np.zeros((step.rows, step.length), np.int32)
-        for row, i in enumerate(range(step.start, step.stop)):
+        for row, i in enumerate(step.items):
             seq = batch.sequence(i)
             tokens[row, : len(seq)] = seq
         lengths = np.zeros(step.rows, np.int32)
-        lengths[:n] = batch.sequence_lens[step.start : step.stop]
+        lengths[:n] = batch.sequence_lens[step.items]
         shape = (*tokens.shape, len(batch.label_ids))
         out.step("score_sequences", shape, {step.group: int(lengths.sum())})
         out.scores(
             step.group,
-            np.arange(step.start, step.stop),
+            step.items,
             self.score_sequences(
                 self.model.params,
                 layout.put_rows(tokens),

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a device profile for auto (tpuscore calibrate writes one); default: the built-in "
         "one for this device kind",
     )
+    add(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's scores bit-identical whatever shares its batch (prefill_extend, serial "
+        "and reference only; docs/batch-invariance.md)",
+    )
     add("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add(
         "--no-compilation-cache",
@@ -295,9 +301,9 @@ def _read_input(path: str) -> tuple[str, str]:
 
 
 def load_scorer(args: argparse.Namespace):
-    """The Scorer for --model/--dtype/--backend/--mesh/--profile; a model or profile that cannot
-    be loaded is bad input."""
-    from tpuscore import Scorer
+    """The Scorer for --model/--dtype/--backend/--mesh/--profile/--batch-invariant; a model or
+    profile that cannot be loaded, or a backend the mode refuses, is bad input."""
+    from tpuscore import Scorer, ValidationError
     from tpuscore.engine import compilation_cache
 
     mesh = parse_mesh(args.mesh)
@@ -309,7 +315,10 @@ def load_scorer(args: argparse.Namespace):
             mesh=mesh,
             profile=args.profile,
             compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
+            batch_invariant=args.batch_invariant,
         )
+    except ValidationError as e:
+        raise InputError(f"--backend {args.backend}: {e}") from None
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
@@ -535,6 +544,7 @@ def _run_job(args: argparse.Namespace) -> int:
                 mesh=parse_mesh(args.mesh),
                 profile=args.profile,
                 compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
+                batch_invariant=args.batch_invariant,
             )
         except (ValidationError, InputError):
             raise

@@ -64,18 +64,25 @@ class Selector(Protocol):
 
 class FixedRule:
     """prefill_extend whenever the query comes first (it runs the query once, not once per
-    item), else serial: the rule before the cost model, for whoever wants it fixed."""
+    item), else serial: the rule before the cost model, for whoever wants it fixed, and auto's
+    rule in batch-invariant mode, where a pick must not depend on what else is in the call."""
 
     def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str:
         return "serial" if batches[0].item_first else "prefill_extend"
 
 
 def plan(
-    requests: Sequence[ScoreRequest], backend: str, selector: Selector, pool: BackendPool
+    requests: Sequence[ScoreRequest],
+    backend: str,
+    selector: Selector,
+    pool: BackendPool,
+    *,
+    batch_invariant: bool = False,
 ) -> list[tuple[Group, str]]:
     """Each group with the backend that runs it: `backend`, or for "auto" the selector's pick
     for all of the call's groups at once (item_first ones apart). Every pick is checked against
-    its groups before any runs: its capabilities, and that its steps fit the device
+    its groups before any runs: its capabilities (batch_invariant: that it has that mode, which
+    a user's selector might not respect), and that its steps fit the device
     (`selection.check_fits`)."""
     groups = group(requests)
     names = [backend] * len(groups)
@@ -88,7 +95,7 @@ def plan(
                     names[i] = name
     planned = list(zip(groups, names, strict=True))
     for g, name in planned:
-        registry.check_capabilities(name, g.batch.item_first)
+        registry.check_capabilities(name, g.batch.item_first, batch_invariant)
     for name, named in by_backend(planned).items():
         selection.check_fits(name, pool.get(name), [g.batch for g in named])
     return planned

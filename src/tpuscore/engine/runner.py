@@ -36,9 +36,12 @@ class Engine:
         tokenizer: its tokenizer, or None (token-id inputs only).
         backend: the backend a call runs when it names none; "auto" lets `selector` pick.
         backend_options: backend name -> its options (checked here, not mid-request).
-        selector: what "auto" runs for a call's groups (default the cost model).
+        selector: what "auto" runs for a call's groups (default the cost model; in
+            batch-invariant mode `planning.FixedRule`, whose pick never depends on the batch).
         profile: the device profile the cost model prices backends with (default the built-in
             one of this device kind).
+        batch_invariant: a request's scores bit-identical whatever shares its call
+            (docs/batch-invariance.md); backends that cannot be so are refused.
     """
 
     def __init__(
@@ -50,13 +53,16 @@ class Engine:
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         selector: planning.Selector | None = None,
         profile: DeviceProfile | None = None,
+        batch_invariant: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.default_backend = backend
+        self.batch_invariant = bool(batch_invariant)
+        self.default_backend = self.checked_backend(backend)
         self.cost_model = selection.CostModel(profile)
-        self.selector = selector or self.cost_model
-        self.backends = BackendPool(model, backend_options)
+        default_selector = planning.FixedRule() if self.batch_invariant else self.cost_model
+        self.selector = selector or default_selector
+        self.backends = BackendPool(model, backend_options, self.batch_invariant)
 
     @property
     def config(self) -> ModelConfig:
@@ -70,7 +76,14 @@ class Engine:
 
     def backend_name(self, backend: str | None) -> str:
         """The registered name a call's `backend` resolves to (None: the default backend)."""
-        return registry.backend_name(self.default_backend if backend is None else backend)
+        return self.checked_backend(self.default_backend if backend is None else backend)
+
+    def checked_backend(self, backend: str) -> str:
+        """`registry.backend_name`, refusing in batch-invariant mode a backend without it."""
+        name = registry.backend_name(backend)
+        if name != registry.AUTO:
+            registry.check_capabilities(name, False, self.batch_invariant)
+        return name
 
     def prepare(self, query: Any, items: Any, options: ScoreOptions) -> ScoreRequest:
         """One request checked and tokenized (`validation.validate`); raises ValidationError."""
@@ -112,7 +125,9 @@ class Engine:
         results = [
             ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
         ]
-        planned = planning.plan(requests, name, self.selector, self.backends)
+        planned = planning.plan(
+            requests, name, self.selector, self.backends, batch_invariant=self.batch_invariant
+        )
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
         for chosen, groups in planning.by_backend(planned).items():
@@ -152,6 +167,6 @@ class Engine:
     ) -> list[Warmed]:
         """`Scorer.warmup`: compile the steps of these geometries on these backends (default
         `DEFAULT_GEOMETRIES` on the default backend)."""
-        names = [registry.backend_name(b) for b in backends or [self.default_backend]]
+        names = [self.checked_backend(b) for b in backends or [self.default_backend]]
         geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
         return warm(self.backends, self.prepare, self.selector, names, geometries)

@@ -14,6 +14,12 @@ A step whose rows share one query keeps the shared-prefix matmul.
 
 `schedule` plans a call as waves of groups, each with its prefill and extend steps;
 `score_groups` runs those steps and `work` prices the same ones, so what is priced is what runs.
+
+In batch-invariant mode every step's shape and content depend on one query and its own items
+alone: queries prefill one per step, in chunks at fixed boundaries, reusing the prefix cache only
+on an exact hit (so a query's K/V never depend on what was cached); items are bucketed by their
+own length and run in steps of one group with a fixed row count per item bucket, padding rows
+included. A row's result then cannot depend on what else shares its call.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
+INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,12 +65,14 @@ class PrefillExtendOptions:
     accelerator memory; 0 keeps nothing). batch_items: items per extend step (default from an
     activation-memory estimate). activation_bytes: that estimate's budget (default 256 MiB on
     CPU, an eighth of accelerator memory). prefill_chunk: query tokens per prefill step, which
-    bounds its own [chunk, chunk] attention (default 512)."""
+    bounds its own [chunk, chunk] attention (default 512). batch_invariant: plan every step from
+    one query and its items alone (module doc; set by `Scorer(batch_invariant=True)`)."""
 
     prefix_cache_bytes: int | None = None
     batch_items: int | None = None
     activation_bytes: int | None = None
     prefill_chunk: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name, minimum in (
@@ -205,12 +214,13 @@ def bucket_item_tokens(n: int) -> int:
 
 @attrs.frozen
 class ExtendStep:
-    """One extend step: row r scores item rows[r] of group groups[r]; rows padded to a power of
-    two, items to item_len tokens."""
+    """One extend step: row r scores item rows[r] of group groups[r]; `size` rows in all (padding
+    included), items padded to item_len tokens."""
 
     item_len: int
     groups: np.ndarray
     rows: np.ndarray
+    size: int
 
 
 @attrs.frozen
@@ -264,6 +274,7 @@ class PrefillExtendBackend(Budgeted):
         self.batch_items = options.batch_items
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
         self.prefill_chunk = options.prefill_chunk or 512
+        self.batch_invariant = options.batch_invariant
         config = model.config
         L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
         self._empty = Prefix(
@@ -318,7 +329,7 @@ class PrefillExtendBackend(Budgeted):
                     )
                 )
             for step in wave.extend:
-                rows, L = layout.rows(len(step.rows)), step.item_len
+                rows, L = step.size, step.item_len
                 step_queries = {wave.query_of[w] for w in step.groups}
                 P = max(bucket_tokens(len(wave.queries[q])) for q in step_queries)
                 row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
@@ -354,7 +365,7 @@ class PrefillExtendBackend(Budgeted):
         n = len(step.rows)
         layout = self.model.layout
         groups = np.asarray(wave)[step.groups]
-        items = np.zeros((layout.rows(n), step.item_len), np.int32)
+        items = np.zeros((step.size, step.item_len), np.int32)
         item_lens = np.zeros(items.shape[0], np.int32)
         for r, (g, i) in enumerate(zip(groups, step.rows, strict=True)):
             item_lens[r] = batches[g].item_lens[i]
@@ -441,8 +452,11 @@ class PrefillExtendBackend(Budgeted):
         left of each group (its last, partly filled step) is pooled with the other groups'
         leftovers, sorted by length and batched again: those steps mix queries, each row
         attending to its own query's K/V, at a row count that leaves room for that per-row copy.
+        Batch-invariant: `plan_invariant_extend`.
         """
-        steps, pool = [], []
+        if self.batch_invariant:
+            return self.plan_invariant_extend(batches)
+        layout, steps, pool = self.model.layout, [], []
         for g, batch in enumerate(batches):
             lens = batch.item_lens[: batch.num_items]
             order = np.argsort(lens, kind="stable")  # similar lengths share a batch
@@ -450,7 +464,8 @@ class PrefillExtendBackend(Budgeted):
                 rows = order[positions]
                 full = len(rows) == self.batch_rows(item_len)
                 if full or len(batches) == 1:
-                    steps.append(ExtendStep(item_len, np.full(len(rows), g), rows))
+                    groups = np.full(len(rows), g)
+                    steps.append(ExtendStep(item_len, groups, rows, layout.rows(len(rows))))
                 else:
                     pool += [(int(lens[i]), g, int(i)) for i in rows]
         if pool:
@@ -461,8 +476,31 @@ class PrefillExtendBackend(Budgeted):
             for positions, item_len in self._plan(lens, rows_for):
                 groups = np.array([pool[p][1] for p in positions])
                 rows = np.array([pool[p][2] for p in positions])
-                steps.append(ExtendStep(item_len, groups, rows))
+                steps.append(ExtendStep(item_len, groups, rows, layout.rows(len(rows))))
         return steps
+
+    def plan_invariant_extend(self, batches: Sequence[ScoreBatch]) -> list[ExtendStep]:
+        """Batch-invariant extend steps: one group's items per step, each padded to its own
+        length's bucket, in `invariant_rows(bucket)` rows whatever the count of real ones."""
+        steps = []
+        for g, batch in enumerate(batches):
+            lens = batch.item_lens[: batch.num_items]
+            buckets = np.array([bucket_item_tokens(int(n)) for n in lens], int)
+            for item_len in sorted(set(buckets.tolist())):
+                (items,) = np.nonzero(buckets == item_len)
+                size = self.invariant_rows(item_len)
+                for start in range(0, len(items), size):
+                    rows = items[start : start + size]
+                    steps.append(ExtendStep(item_len, np.full(len(rows), g), rows, size))
+        return steps
+
+    def invariant_rows(self, item_len: int) -> int:
+        """Rows of every batch-invariant extend step at this item bucket: `batch_items` if set,
+        else what the budget allows, at most INVARIANT_ROWS per device."""
+        if self.batch_items is not None:
+            return self.model.layout.rows(self.batch_items)
+        per_device = self.batch_rows(item_len) // self.model.layout.data
+        return min(per_device, INVARIANT_ROWS) * self.model.layout.data
 
     def query_prefix(self, query: np.ndarray) -> Prefix:
         """One query's K/V, from the cache or prefilled, with no output to count steps in (for
@@ -499,7 +537,8 @@ class PrefillExtendBackend(Budgeted):
         """The prefill steps for these queries, as `Wave` holds them: nothing on a cache hit, the
         part past the longest cached prefix on a partial hit, all of it on a miss. Queries that
         need prefill run together, the next chunk of each in one row of a step, longest chunks
-        first so similar lengths share a step."""
+        first so similar lengths share a step. Batch-invariant: exact hits only, and one query
+        per step, so its chunks start at 0 and every multiple of prefill_chunk."""
         ready: list[Prefix | None] = [None] * len(queries)
         reused: dict[int, tuple[Prefix | None, int]] = {}
         pending = []  # (query index, tokens done, positions of its prefix so far)
@@ -509,6 +548,8 @@ class PrefillExtendBackend(Budgeted):
                 ready[i] = self._empty
                 continue
             reuse = read(query)
+            if self.batch_invariant and reuse is not None and not reuse.exact:
+                reuse = None
             if reuse is not None and reuse.exact:
                 ready[i] = reuse.value
                 continue
@@ -522,7 +563,11 @@ class PrefillExtendBackend(Budgeted):
             pending.sort(key=lambda p: -min(len(queries[p[0]]) - p[1], self.prefill_chunk))
             chunk_len = min(len(queries[pending[0][0]]) - pending[0][1], self.prefill_chunk)
             base_len = max(size for _, _, size in pending)
-            cap = self.prefill_batch_rows(bucket_tokens(chunk_len), base_len)
+            cap = (
+                1
+                if self.batch_invariant
+                else self.prefill_batch_rows(bucket_tokens(chunk_len), base_len)
+            )
             taken, pending = pending[:cap], pending[cap:]
             chunks = tuple(
                 PrefillRow(i, start, min(start + self.prefill_chunk, len(queries[i])))
