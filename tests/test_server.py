@@ -13,10 +13,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from starlette.routing import Route
 
-from helpers import random_tokens
+from helpers import ServerThread, random_tokens
 from tpuscore.api import templates
 from tpuscore.serving import app as server
 
@@ -44,31 +43,6 @@ TEMPLATE = templates.Template(
     labels=("y", "n"),
     default_instruction="Judge whether the document is relevant to the query.",
 )
-
-
-class ServerThread:
-    """uvicorn serving `app` from a thread, on a port the OS picked; stopped by `stop()`."""
-
-    def __init__(self, app):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start within 30 s")
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the test server did not stop within 30 s"
 
 
 async def boom(request):
