@@ -2,6 +2,7 @@
 the TPU kernel, and a CUDA lowering for the model geometries it serves."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_segment_attention import layout, random_qkv
+from tpuscore.kernels.segment import gpu
 from tpuscore.kernels.segment.gpu import (
     GpuBlockSizes,
     executed_tiles_gpu,
     segment_attention_gpu,
+    tuned_block_sizes,
 )
 from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
 from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles
@@ -124,3 +127,25 @@ def test_tokens_must_fill_whole_tiles():
     q, k, v = (jnp.zeros((1, 2, 96, 16)) for _ in range(3))
     with pytest.raises(ValueError, match="tokens=96 must be a multiple of block_q=64"):
         segment_attention_gpu(q, k, v, jnp.zeros(1, jnp.int32), jnp.zeros((1, 96), jnp.int32))
+
+
+def test_shipped_swept_tiles_are_valid():
+    """Every entry `benchmarks/triton_sweep.py --write` recorded builds its GpuBlockSizes."""
+    for kind, entries in json.loads(gpu.TILES_FILE.read_text()).items():
+        for key, fields in entries.items():
+            assert tuned_block_sizes(kind, *_key_parts(key)) == GpuBlockSizes(**fields)
+
+
+def test_swept_tiles_apply_to_their_gpu_kind_only(tmp_path, monkeypatch):
+    swept = {"GPU X": {gpu.tiles_key(128, jnp.bfloat16): dict(block_q=128, num_warps=8)}}
+    (tmp_path / "tiles.json").write_text(json.dumps(swept))
+    monkeypatch.setattr(gpu, "TILES_FILE", tmp_path / "tiles.json")
+    assert tuned_block_sizes("GPU X", 128, jnp.bfloat16) == GpuBlockSizes(block_q=128, num_warps=8)
+    assert tuned_block_sizes("GPU X", 128, jnp.float32) == GpuBlockSizes()
+    assert tuned_block_sizes("GPU X", 64, jnp.bfloat16) == GpuBlockSizes()
+    assert tuned_block_sizes("GPU Y", 128, jnp.bfloat16) == GpuBlockSizes()
+
+
+def _key_parts(key: str) -> tuple[int, str]:
+    fields = dict(part.split("=") for part in key.split(","))
+    return int(fields["head_dim"]), fields["dtype"]

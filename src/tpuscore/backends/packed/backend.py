@@ -32,7 +32,11 @@ from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
 from tpuscore.backends.packed import memory, packing
-from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
+from tpuscore.kernels.segment.gpu import (
+    GpuBlockSizes,
+    segment_attention_gpu,
+    tuned_block_sizes,
+)
 from tpuscore.kernels.segment.mask import segment_mask
 from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention
 from tpuscore.models import decoder
@@ -63,7 +67,8 @@ class PackedOptions:
 class PackedSegmentOptions(PackedOptions):
     """As packed_dense's, and block_sizes: the kernel's tiles. On a GPU a `GpuBlockSizes` (the
     Triton kernel's), elsewhere a `BlockSizes` (the TPU kernel's), or a dict of its fields;
-    default the platform's default tiles."""
+    default on a GPU the swept tiles for its kind (`gpu.tuned_block_sizes`), elsewhere the
+    default tiles."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
 
@@ -85,7 +90,7 @@ class PackedSegmentOptions(PackedOptions):
                 f"its fields, got {block_sizes!r}",
                 "block_sizes",
             )
-        object.__setattr__(self, "block_sizes", block_sizes or kind())
+        object.__setattr__(self, "block_sizes", block_sizes)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "layout", "interpret"))
@@ -335,6 +340,11 @@ class PackedSegmentBackend(PackedBackend):
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)
         self.block_sizes = options.block_sizes
+        if self.block_sizes is None and jax.default_backend() == "gpu":
+            kind = jax.devices()[0].device_kind
+            self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
+        elif self.block_sizes is None:
+            self.block_sizes = BlockSizes()
 
     def bucket(self, tokens: int) -> int:
         tile = self.block_sizes.tile  # the kernel needs whole tiles

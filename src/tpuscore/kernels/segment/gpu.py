@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,21 @@ class GpuBlockSizes:
     def tile(self) -> int:
         """The sequence length must be a multiple of this."""
         return max(self.block_q, self.block_kv)
+
+
+# The sweep's best tiles per GPU kind, head dim and dtype (`benchmarks/triton_sweep.py --write`).
+TILES_FILE = pathlib.Path(__file__).with_name("gpu_tiles.json")
+
+
+def tiles_key(head_dim: int, dtype) -> str:
+    return f"head_dim={head_dim},dtype={jnp.dtype(dtype).name}"
+
+
+def tuned_block_sizes(device_kind: str, head_dim: int, dtype) -> GpuBlockSizes:
+    """The swept best tiles for this GPU kind (`jax.Device.device_kind`), head dim and dtype,
+    else the defaults."""
+    swept = json.loads(TILES_FILE.read_text()).get(device_kind, {})
+    return GpuBlockSizes(**swept.get(tiles_key(head_dim, dtype), {}))
 
 
 def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, softcap, block_kv):
