@@ -25,7 +25,8 @@ import numpy as np
 
 from tpuscore import Scorer
 
-GEOMETRIES = ((300, 10, 10), (60, 12, 90), (20, 50, 5))
+# The bench's SGLang geometry, auto's old miss (long items), many short items, small requests.
+GEOMETRIES = ((300, 10, 10), (60, 12, 90), (20, 50, 5), (20, 3, 8))
 LABELS = [0, 1, 2, 3]
 
 
@@ -47,8 +48,9 @@ def cost(args) -> None:
     vocab = scorers[False].config.vocab_size
     print("| geometry | call | backend | default items/s | invariant items/s | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for geometry in GEOMETRIES:
-        for batch in (1, 8):
+    geometries = [tuple(map(int, g.split(","))) for g in args.geometry] or GEOMETRIES
+    for geometry in geometries:
+        for batch in map(int, args.batches.split(",")):
             for backend in args.backends.split(","):
                 times = {False: [], True: []}
                 for round_ in range(args.rounds + 1):  # round 0 compiles
@@ -110,6 +112,8 @@ def main() -> None:
     c.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     c.add_argument("--backends", default="auto,prefill_extend")
     c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--geometry", action="append", default=[], help="Q,N,L (repeatable)")
+    c.add_argument("--batches", default="1,8", help="requests per call")
     c.set_defaults(run=cost)
     b = sub.add_parser("bound")
     b.add_argument("--cases", default="qwen3_qknorm,llama_gqa_untied")

@@ -243,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", choices=["float32", "bfloat16"], help="default float32, bfloat16 with --gpu")
     add("--seed", type=int, default=0)
     add("--backend", default="auto", help="tpuscore's backend for both tpuscore peers")
+    add("--batch-invariant", action="store_true", help="the scorer's bitwise batch-invariant mode")
     add("--skip-hf", action="store_true", help="time tpuscore only")
     add("--gpu", action="store_true", help="a random Qwen3-0.6B-shaped checkpoint, HF on CUDA")
     add("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
@@ -258,7 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         from random_checkpoint import qwen3_0_6b
 
         checkpoint = qwen3_0_6b(args.checkpoint, dtype=args.dtype)
-    scorer = Scorer.from_pretrained(checkpoint, dtype=args.dtype, backend=args.backend)
+    scorer = Scorer.from_pretrained(
+        checkpoint, dtype=args.dtype, backend=args.backend, batch_invariant=args.batch_invariant
+    )
     model_name = "random Qwen3-0.6B shape" if args.gpu else "embedded default (SmolLM2-135M)"
     print_header(args, model_name)
     rng = np.random.default_rng(args.seed)
