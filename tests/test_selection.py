@@ -285,3 +285,41 @@ def test_the_cpu_profile_picks_as_its_calibration_measured():
         fastest = min(t["seconds"] for t in measured.values() if not t["lower_bound"])
         assert not measured[point["pick"]]["lower_bound"], point
         assert measured[point["pick"]]["seconds"] / fastest <= calibrate.TOLERANCE, point
+
+
+def test_calibration_times_fresh_queries_in_interleaved_rounds(scorers, monkeypatch):
+    """Every timed call scores a query never seen before (so prefill_extend is never timed on a
+    prefix-cache hit), and the backends alternate A, B, A, B after the first calls."""
+    calls = []
+
+    def fake_seconds(scorer, name, batches):
+        calls.append((name, batches[0].query.tobytes()))
+        return {"prefill_extend": 1.0, "packed_dense": 0.5}[name]
+
+    monkeypatch.setattr(calibrate, "call_seconds", fake_seconds)
+    scorer = fresh(scorers("qwen3_qknorm"))
+    timings = calibrate.measure(
+        scorer, calibrate.Requests(scorer), ["prefill_extend", "packed_dense"], (12, 3, 4)
+    )
+    assert len({query for _, query in calls}) == len(calls)
+    names = [name for name, _ in calls]
+    # the first call of each compiles, the second is timed (packed_dense first on 1 item, then
+    # 3), then the rounds
+    assert (
+        names
+        == ["prefill_extend"] * 2 + ["packed_dense"] * 4 + ["prefill_extend", "packed_dense"] * 2
+    )
+    assert timings["packed_dense"] == calibrate.Timing(0.5, samples=[0.5] * 3)
+
+
+def test_the_shipped_cpu_profile_refits_from_its_stored_timings(tmp_path):
+    """`calibrate --refit` on docs/calibration_cpu.json (no timing) writes the shipped cpu.json
+    back, and its check passes."""
+    stored = Path(__file__).parents[1] / "docs/calibration_cpu.json"
+    out = tmp_path / "cpu.json"
+    assert calibrate.main(["--refit", str(stored), "--out", str(out)]) == 0
+    refit, shipped = attrs.asdict(DeviceProfile.load(out)), attrs.asdict(profiles.built_in("cpu"))
+    for profile in (refit, shipped):
+        del profile["source"]
+        profile["matmul_flops"] = profile["matmul_flops"]["float32"]
+    assert refit == pytest.approx(shipped, rel=1e-9)
