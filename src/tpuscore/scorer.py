@@ -22,7 +22,7 @@ from tpuscore.engine.warmup import Warmed
 from tpuscore.models import loaders
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
-from tpuscore.models.model import Model, load_dtype, resolve_precision
+from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
 from tpuscore.tasks import loglikelihood, ranking
@@ -83,7 +83,7 @@ class Scorer:
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
         compilation_cache.enable(compilation_cache_dir)
         config, params, tokenizer = loaders.load(
-            model, dtype=load_dtype(resolve_precision(dtype)), revision=revision,
+            model, dtype=base_dtype(resolve_precision(dtype)), revision=revision,
             local_files_only=local_files_only, cache_dir=cache_dir,
             layout_for=lambda c: sharding.make_layout(c, mesh, devices),
         )  # fmt: skip
@@ -173,7 +173,7 @@ class Scorer:
 
     config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")
     params = property(lambda self: self.engine.model.params, doc="The parameters on device.")
-    dtype = property(lambda self: self.engine.model.dtype, doc="The matmuls' numpy dtype.")
+    dtype = property(lambda self: self.engine.model.dtype, doc="Attention's and K/V's dtype.")
     mesh = property(lambda self: self.engine.model.layout.mesh, doc="The mesh, or None.")
     tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")
     backends = property(lambda self: self.engine.backends, doc="The `BackendPool`.")

@@ -17,8 +17,8 @@ from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIXED = "mixed"
 PRECISIONS = (*DTYPES, MIXED)
-# What the mixed precision stores in bfloat16: the layers' matmul weights, which feed nothing but
-# a matmul. Embeddings, the LM head, norms and biases stay float32.
+# What the mixed precision stores in bfloat16: the projection and MLP weights, which feed nothing
+# but a matmul. Embeddings, the LM head, norms and biases stay float32.
 MIXED_BFLOAT16 = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
@@ -26,10 +26,11 @@ def resolve_precision(dtype: Any) -> str:
     """The precision `dtype` names: "float32", "bfloat16" or "mixed" (a dtype or its name); None:
     float32 on CPU, bfloat16 on accelerators.
 
-    "mixed" multiplies bfloat16 operands into float32 accumulators in the layers' matmuls
-    (projections, MLP, attention's q.k and p.v) and keeps float32 everything else: the residual
-    stream, norms, RoPE, softmax, the LM head and its log-softmax. "bfloat16" differs only in
-    also storing embeddings, norm weights, biases and the LM head in bfloat16."""
+    "mixed" multiplies bfloat16 operands into float32 accumulators in the projections and the MLP
+    (`MIXED_BFLOAT16`: nearly all the FLOPs but attention's) and keeps everything else float32:
+    the residual stream, norms, RoPE, attention (q.k, softmax, p.v) and its K/V, the LM head and
+    its log-softmax. "bfloat16" stores every weight, and runs attention and its K/V, in bfloat16
+    (with float32 accumulation, norms and softmax)."""
     if dtype is None:
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
@@ -38,20 +39,11 @@ def resolve_precision(dtype: Any) -> str:
     return name
 
 
-def matmul_dtype(precision: str) -> np.dtype:
-    """The dtype of the layers' matmul operands, and so of the K/V the backends keep."""
-    return np.dtype(jnp.float32 if precision == "float32" else jnp.bfloat16)
-
-
-def load_dtype(precision: str) -> np.dtype:
-    """The dtype weights are read in: mixed reads float32 and casts its matmul weights when
-    `Model.build` places them, so it shares float32's weight cache entry."""
+def base_dtype(precision: str) -> np.dtype:
+    """The dtype of everything `MIXED_BFLOAT16` leaves out: weights are read in it, and attention
+    and the K/V the backends keep run in it. Mixed's is float32, so it shares float32's weight
+    cache entry and casts its matmul weights when `Model.build` places them."""
     return np.dtype(jnp.bfloat16 if precision == "bfloat16" else jnp.float32)
-
-
-def resolve_dtype(dtype: Any) -> np.dtype:
-    """The matmul dtype of `resolve_precision(dtype)`."""
-    return matmul_dtype(resolve_precision(dtype))
 
 
 def _mixed(params: Params) -> Params:
@@ -67,8 +59,8 @@ def _mixed(params: Params) -> Params:
 @attrs.frozen(eq=False)
 class Model:
     """A loaded model. params follow `models/weights.py`, already on device and placed by
-    `layout`; dtype is the layers' matmul operand and K/V dtype, precision the mode's name
-    (`resolve_precision`)."""
+    `layout`; precision is the mode's name (`resolve_precision`), dtype its `base_dtype`: that
+    of attention and the K/V."""
 
     config: ModelConfig
     params: Params
@@ -86,5 +78,5 @@ class Model:
         if precision == MIXED:
             placed = layout.put_params(_mixed(params), None)
         else:
-            placed = layout.put_params(params, matmul_dtype(precision))
-        return cls(config, placed, matmul_dtype(precision), layout, precision)
+            placed = layout.put_params(params, base_dtype(precision))
+        return cls(config, placed, base_dtype(precision), layout, precision)
