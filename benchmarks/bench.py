@@ -44,7 +44,10 @@ PACKED = {"packed_dense", "packed_segment"}
 # Backends with a cross-request prefix cache also get a row where the query repeats.
 PREFIX_CACHED = {"prefill_extend"}
 # Label logprobs further than this from tpuscore serial print a WARNING.
-PARITY_TOL = {"float32": 1e-3, "bfloat16": 0.05}
+PARITY_TOL = {"float32": 1e-3, "bfloat16": 0.05, "mixed": 0.05}
+# The mixed precision's matmuls run in bfloat16 (its roofline); its HF peers run in float32.
+MATMUL_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "mixed": "bfloat16"}
+HF_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "mixed": "float32"}
 # The slow peers time a subset of items where all would take minutes. A 2000-token query leaves
 # packed_dense no room for items in its CPU memory budget (it degrades to one item per pass) and
 # packed_segment runs in Pallas interpret mode off TPU: the long geometry skips both.
@@ -396,7 +399,8 @@ def print_work(
     """The matmul rates, prefill_extend's useful FLOPs and its share of the JAX matmul rate."""
     n = args.matmul_size
     rates = ", ".join(f"{k} {start_rates[k]:.0f} / {end_rates[k]:.0f}" for k in start_rates)
-    print(f"\nmatmul {n}x{n}x{n} {args.dtype} GFLOP/s (before / after the peers): {rates}")
+    dtype = MATMUL_DTYPE[args.dtype]
+    print(f"\nmatmul {n}x{n}x{n} {dtype} GFLOP/s (before / after the peers): {rates}")
     if abs(end_rates["JAX"] - start_rates["JAX"]) > 0.2 * start_rates["JAX"]:
         print("NOTE: the matmul rate moved by over 20%: other work on the machine skews timings")
     roofline = max(start_rates["JAX"], end_rates["JAX"])
@@ -426,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--items", type=int, help="items per request (overrides the geometry's)")
     add("--item-len", type=int, help="tokens per item (overrides the geometry's)")
     add("--labels", type=int, default=2, help="label tokens")
-    add("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add("--dtype", choices=["float32", "bfloat16", "mixed"], default="float32")
     add("--repeats", type=int, default=3, help="timed runs per peer; the median is reported")
     add("--seed", type=int, default=0)
     add("--serial-subset", type=int, help="items timed for tpuscore serial")
@@ -458,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print_header(args)
     scorer = Scorer.from_pretrained(None, dtype=args.dtype)
-    model = None if args.skip_hf else load_hf_model(args.dtype)
+    model = None if args.skip_hf else load_hf_model(HF_DTYPE[args.dtype])
     names = list(GEOMETRIES) if args.geometry == "all" else [args.geometry]
     for name in names:
         run_geometry(scorer, model, geometry_args(name, args))
@@ -482,10 +486,10 @@ def run_geometry(scorer: Scorer, model: torch.nn.Module | None, args: argparse.N
         cached = hf_cached_peer(model, request, args)  # first: it warms the model up
         peers.append(Peer(name, functools.partial(hf_naive, model, batch=b), k, warmup=False))
         peers.append(cached)
-    start_rates = matmul_rates(args.matmul_size, args.dtype, args.repeats)
+    start_rates = matmul_rates(args.matmul_size, MATMUL_DTYPE[args.dtype], args.repeats)
     rows = run_peers(peers, request, args)
     print_table(rows, args.items, PARITY_TOL[args.dtype])
-    end_rates = matmul_rates(args.matmul_size, args.dtype, args.repeats)
+    end_rates = matmul_rates(args.matmul_size, MATMUL_DTYPE[args.dtype], args.repeats)
     print_work(config, args, rows, start_rates, end_rates)
 
 

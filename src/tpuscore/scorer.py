@@ -22,7 +22,7 @@ from tpuscore.engine.warmup import Warmed
 from tpuscore.models import loaders
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
-from tpuscore.models.model import Model, resolve_dtype
+from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
 from tpuscore.tasks import loglikelihood, ranking
@@ -82,13 +82,13 @@ class Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
         compilation_cache.enable(compilation_cache_dir)
-        np_dtype = resolve_dtype(dtype)
         config, params, tokenizer = loaders.load(
-            model, dtype=np_dtype, revision=revision, local_files_only=local_files_only,
-            cache_dir=cache_dir, layout_for=lambda c: sharding.make_layout(c, mesh, devices),
+            model, dtype=base_dtype(resolve_precision(dtype)), revision=revision,
+            local_files_only=local_files_only, cache_dir=cache_dir,
+            layout_for=lambda c: sharding.make_layout(c, mesh, devices),
         )  # fmt: skip
         return cls(
-            config, params, tokenizer, dtype=np_dtype, backend=backend,
+            config, params, tokenizer, dtype=dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant,
         )  # fmt: skip
@@ -173,7 +173,7 @@ class Scorer:
 
     config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")
     params = property(lambda self: self.engine.model.params, doc="The parameters on device.")
-    dtype = property(lambda self: self.engine.model.dtype, doc="The parameters' numpy dtype.")
+    dtype = property(lambda self: self.engine.model.dtype, doc="Attention's and K/V's dtype.")
     mesh = property(lambda self: self.engine.model.layout.mesh, doc="The mesh, or None.")
     tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")
     backends = property(lambda self: self.engine.backends, doc="The `BackendPool`.")

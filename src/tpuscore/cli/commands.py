@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--dtype",
-        choices=["float32", "bfloat16"],
-        help="default: float32 on CPU, bfloat16 on accelerators",
+        choices=["float32", "bfloat16", "mixed"],
+        help="default: float32 on CPU, bfloat16 on accelerators; mixed: bfloat16 matmul "
+        "operands, float32 everywhere else (docs/api.md)",
     )
     add("--backend", default="auto", help="a registered backend name (default: auto)")
     add(

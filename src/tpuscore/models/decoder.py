@@ -4,9 +4,9 @@ functions, the differences driven by the config (`models/config.py`).
 Axis letters: B batch, T tokens, S keys, N query heads, K kv heads, G = N/K, H head dim,
 D model dim, F MLP dim, V vocab, C labels. Parameters follow `models/weights.py`.
 
-Matmuls run in the parameter dtype and accumulate in float32; norms, RoPE and softmax run in
-float32. The head (LM head or classification head) is applied only to the rows being scored,
-never to every token.
+Matmuls run in their weight's dtype (attention's in the norm weights') and accumulate in float32;
+norms, RoPE and softmax run in float32. The head (LM head or classification head) is applied only
+to the rows being scored, never to every token.
 
 Sliding windows: layers are scanned, so a layer's window travels through `lax.scan` as data, a
 per-layer int32 (`layer_windows`: the window of a local layer, `NO_WINDOW` for a global one).
@@ -230,7 +230,9 @@ class Prefix(NamedTuple):
 
 
 def _qkv(config: ModelConfig, x, p, cos, sin):
-    dtype = p["wq"].dtype
+    # Attention runs in the norms' dtype: bfloat16 only where every weight is (the mixed
+    # precision keeps norms, and so attention, in float32).
+    dtype = p["attn_norm"].dtype
     h = _norm(config, x, p["attn_norm"])
     q = _dot("btd,dnh->btnh", h, p["wq"])
     k = _dot("btd,dkh->btkh", h, p["wk"])

@@ -1,5 +1,5 @@
-"""`Model`: what a backend is built from: the config, the parameters on device, their dtype, and
-the layout that places them and the backends' arrays (`tpuscore.parallel.sharding`)."""
+"""`Model`: what a backend is built from: the config, the parameters on device, their precision,
+and the layout that places them and the backends' arrays (`tpuscore.parallel.sharding`)."""
 
 from __future__ import annotations
 
@@ -15,32 +15,68 @@ from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MIXED = "mixed"
+PRECISIONS = (*DTYPES, MIXED)
+# What the mixed precision stores in bfloat16: the projection and MLP weights, which feed nothing
+# but a matmul. Embeddings, the LM head, norms and biases stay float32.
+MIXED_BFLOAT16 = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
-def resolve_dtype(dtype: Any) -> np.dtype:
-    """float32 on CPU, bfloat16 on accelerators, unless asked: "float32" or "bfloat16"."""
+def resolve_precision(dtype: Any) -> str:
+    """The precision `dtype` names: "float32", "bfloat16" or "mixed" (a dtype or its name); None:
+    float32 on CPU, bfloat16 on accelerators.
+
+    "mixed" multiplies bfloat16 operands into float32 accumulators in the projections and the MLP
+    (`MIXED_BFLOAT16`: nearly all the FLOPs but attention's) and keeps everything else float32:
+    the residual stream, norms, RoPE, attention (q.k, softmax, p.v) and its K/V, the LM head and
+    its log-softmax. "bfloat16" stores every weight, and runs attention and its K/V, in bfloat16
+    (with float32 accumulation, norms and softmax)."""
     if dtype is None:
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return np.dtype(DTYPES[name])
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {sorted(PRECISIONS)}, got {dtype!r}")
+    return name
+
+
+def base_dtype(precision: str) -> np.dtype:
+    """The dtype of everything `MIXED_BFLOAT16` leaves out: weights are read in it, and attention
+    and the K/V the backends keep run in it. Mixed's is float32, so it shares float32's weight
+    cache entry and casts its matmul weights when `Model.build` places them."""
+    return np.dtype(jnp.bfloat16 if precision == "bfloat16" else jnp.float32)
+
+
+def _mixed(params: Params) -> Params:
+    """params with `MIXED_BFLOAT16` in bfloat16 and every other leaf in float32."""
+
+    def cast(path, a):
+        name = path[-1].key
+        return a.astype(jnp.bfloat16 if name in MIXED_BFLOAT16 else jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 @attrs.frozen(eq=False)
 class Model:
-    """A loaded model. params follow `models/weights.py`, already on device in `dtype`, placed
-    by `layout`."""
+    """A loaded model. params follow `models/weights.py`, already on device and placed by
+    `layout`; precision is the mode's name (`resolve_precision`), dtype its `base_dtype`: that
+    of attention and the K/V."""
 
     config: ModelConfig
     params: Params
     dtype: np.dtype
     layout: Layout = ONE_DEVICE
+    precision: str = "float32"
 
     @classmethod
     def build(
         cls, config: ModelConfig, params: Params, dtype: Any = None, layout: Layout = ONE_DEVICE
     ) -> Model:
-        """Put params on device in `dtype` (see `resolve_dtype`), placed by `layout`."""
-        dtype = resolve_dtype(dtype)
-        return cls(config, layout.put_params(params, dtype), dtype, layout)
+        """Put params on device in the precision `dtype` names (see `resolve_precision`), placed
+        by `layout`."""
+        precision = resolve_precision(dtype)
+        if precision == MIXED:
+            placed = layout.put_params(_mixed(params), None)
+        else:
+            placed = layout.put_params(params, base_dtype(precision))
+        return cls(config, placed, base_dtype(precision), layout, precision)

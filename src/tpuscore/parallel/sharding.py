@@ -96,15 +96,16 @@ class Layout:
         spec = LAYER_SPECS.get(path[-1], P()) if path[0] == "layers" else P()
         return NamedSharding(self.mesh, spec)
 
-    def put_params(self, params: dict, dtype: np.dtype) -> dict:
-        """The parameter tree on device in `dtype`, each leaf placed by `param_sharding`."""
+    def put_params(self, params: dict, dtype: np.dtype | None) -> dict:
+        """The parameter tree on device in `dtype` (None: each leaf's own), each leaf placed by
+        `param_sharding`."""
         if self.mesh is None:
             return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
         def put(path, a):
             names = tuple(key.key for key in path)
             if isinstance(a, jax.Array):  # restored in place already (an Orbax checkpoint)
-                return a.astype(dtype)
+                return a if dtype is None else a.astype(dtype)
             # Cast on the host, so no device ever holds a whole unsharded weight.
             return jax.device_put(np.asarray(a, dtype), self.param_sharding(names))
 

@@ -1,0 +1,72 @@
+"""The mixed precision: bfloat16 operands into float32 accumulators in the projections and MLP,
+float32 everywhere else.
+
+Every backend in mixed precision against the `reference` backend in float32, on a tiny random
+checkpoint drawn fresh each run (its seed from the run's), within the seeds' 0.02 gate.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import random_tokens, seeded_rng
+from hf_reference import make_checkpoint
+from tpuscore import Scorer
+from tpuscore.backends import registry
+from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
+
+GATE = 0.02  # the seeds' gate on a score's distance from float32
+CASES = ("llama_gqa_untied", "qwen3_qknorm")
+
+
+@pytest.fixture(scope="module", params=CASES)
+def pair(request, tmp_path_factory) -> tuple[Scorer, Scorer]:
+    """(float32, mixed) scorers on one fresh random checkpoint of the case."""
+    seed = int(seeded_rng(f"precision-{request.param}").integers(2**31))
+    path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=seed)
+    return Scorer.from_pretrained(path, dtype="float32"), Scorer.from_pretrained(
+        path, dtype="mixed"
+    )
+
+
+def test_mixed_stores_only_projection_and_mlp_weights_in_bfloat16(pair):
+    _, mixed = pair
+    assert mixed.dtype == jnp.float32  # attention and its K/V
+    assert mixed.engine.model.precision == "mixed"
+    for name, value in mixed.params["layers"].items():
+        assert value.dtype == (jnp.bfloat16 if name in MIXED_BFLOAT16 else jnp.float32), name
+    assert mixed.params["embed"].dtype == jnp.float32
+    assert mixed.params["final_norm"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("backend", registry.available())
+def test_mixed_scores_within_gate_of_float32(pair, backend, rng):
+    f32, mixed = pair
+    vocab = f32.config.vocab_size
+    query = random_tokens(rng, int(rng.integers(20, 60)), vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 16, size=5)]
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    exact = f32.score(query, items, labels, backend="reference").logprobs
+    got = mixed.score(query, items, labels, backend=backend).logprobs
+    assert got.dtype == np.float32
+    gap = float(np.max(np.abs(got - exact)))
+    assert gap <= GATE, f"{backend}: mixed is {gap:.4f} from float32"
+    assert gap > 0.0  # it did run in bfloat16
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("mixed", "mixed"),
+        (jnp.bfloat16, "bfloat16"),
+    ],
+)
+def test_resolve_precision(dtype, expected):
+    assert resolve_precision(dtype) == expected
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="dtype must be one of .*mixed"):
+        resolve_precision("float16")
