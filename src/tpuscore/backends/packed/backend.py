@@ -28,9 +28,15 @@ import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
-from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
+from tpuscore.backends.contract import (
+    BackendOutput,
+    ScoreBatch,
+    Shape,
+    ShapeLimits,
+    stack_labels,
+)
 from tpuscore.backends.packed import memory, packing
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
 from tpuscore.kernels.segment.mask import segment_mask
@@ -45,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
+# Packed tokens per scored position: a row scores up to length / 8 items (`slots`). Items of 8
+# tokens or more never split a row for it; each padding slot costs a few percent of a token.
+SLOT_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,7 +186,9 @@ class PackedBackend(Budgeted):
                 )
             groups = [g for g, _ in step.chunks]
             packed = packing.stack(
-                [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks], step.rows
+                [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks],
+                step.rows,
+                self.slots(step.length),
             )
             labels = stack_labels([batches[g].label_ids for g in groups], step.rows)
             tokens: dict[int, int] = {}
@@ -210,7 +221,8 @@ class PackedBackend(Budgeted):
 
         Each group's items are split, in order, into chunks that fill the longest packed length
         that fits the budget, with no more items than their logits leave room for there
-        (`chunk_limits`, `packing.plan`); each chunk is one packed row, its query first.
+        (`chunk_limits`, `packing.plan`) nor than a row of their length scores (`slots`); each
+        chunk is one packed row, its query first.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
         rows, the last step padded to one), so chunks of similar length share a step.
@@ -218,7 +230,9 @@ class PackedBackend(Budgeted):
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
             for g, batch in enumerate(batches)
-            for rows in packing.plan(batch, *self.chunk_limits)
+            for rows in packing.plan(
+                batch, *self.chunk_limits, items_for=lambda n: self.slots(self.bucket(n))
+            )
         ]
         chunks.sort(key=lambda chunk: -chunk[2])  # stable: equal lengths keep their order
         steps, start = [], 0
@@ -256,11 +270,17 @@ class PackedBackend(Budgeted):
         """Estimated peak memory on each device of one step packing these (group, rows, tokens)
         chunks."""
         layout = self.model.layout
-        slots = bucket_count(max(len(rows) for _, rows, _ in chunks))
         rows = layout.rows(len(chunks)) // layout.data
         return memory.packed_step_bytes(
-            self.model.config, rows, length, slots, dense_mask=self.dense_mask
+            self.model.config, rows, length, self.slots(length), dense_mask=self.dense_mask
         )
+
+    def slots(self, length: int) -> int:
+        """Items a packed row of `length` tokens scores (padding included): one per
+        SLOT_TOKENS tokens, a power of two, within what the logits leave room for. A function
+        of the length, so a step's shape is (rows, length) and labels: its item count adds no
+        dimension to the shape set."""
+        return min(self.chunk_limits[1], bucket_count(-(-length // SLOT_TOKENS)))
 
     @property
     def max_tokens(self) -> int:
@@ -311,12 +331,42 @@ class PackedBackend(Budgeted):
                     rows=step.rows,
                     new=T,
                     pairs=pairs,
-                    slots=bucket_count(max(len(rows) for _, rows, _ in chunks)),
+                    slots=self.slots(T),
                     peak=self.step_bytes(chunks, T),
                     kv_bytes=kv,
                 )
             )
         return steps
+
+    def shapes(self, limits: ShapeLimits) -> set[Shape]:
+        """Every (step, shape) this backend can compile for requests within `limits`, on its
+        budget as it is: score_packed (rows, T, slots(T), C) for T a packed length up to the
+        longest chunk (`max_tokens`, or a query and one item past it), rows a power of two
+        within T's budget, C a label bucket (docs/serving.md, "Compiled shapes")."""
+        longest = max(self.max_tokens, limits.query_tokens + limits.item_tokens)
+        lengths = sorted({self.bucket(n) for n in range(1, longest + 1)})
+        return {
+            ("score_packed", (rows, length, self.slots(length), width))
+            for length in lengths
+            for rows in row_buckets(1, self.rows(length), self.model.layout.data)
+            for width in limits.label_widths()
+        }
+
+    def warm(self, shape: Shape) -> None:
+        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
+        name, (rows, length, slots, width) = shape
+        if name != "score_packed":
+            raise ValueError(f"{type(self).__name__} has no step {name!r}")
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        inputs = [zeros((rows, length))] * 2 + [zeros(rows), zeros((rows, length))]
+        inputs += [zeros((rows, slots)), zeros((rows, width))]
+        self.score_packed(
+            self.model.params,
+            *map(self.model.layout.put_rows, inputs),
+            config=self.model.config,
+            block_sizes=self.block_sizes,
+            layout=self.model.layout,
+        )
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length."""
