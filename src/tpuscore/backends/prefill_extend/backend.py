@@ -66,7 +66,6 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
-MIXED_QUERIES = 16  # distinct queries per mixed extend step (`mixed_queries`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,13 +234,6 @@ def resize(prefix: Prefix, size: int) -> Prefix:
 # `decoder.stack_prefixes` jitted: `count` prefixes of one size, stacked. Eagerly, its jnp ops
 # would compile once per shape outside the shape set.
 stack = jax.jit(decoder.stack_prefixes, static_argnames="count")
-
-
-def mixed_queries(rows: int) -> int:
-    """Distinct queries a mixed extend step of `rows` rows may hold, and so the prefixes it
-    stacks: its rows up to MIXED_QUERIES. Tied to the row count so it adds no dimension to the
-    shape set; the cap bounds the stacked K/V (every layer of each query)."""
-    return min(rows, MIXED_QUERIES)
 
 
 def bucket_item_tokens(n: int) -> int:
@@ -425,7 +417,7 @@ class PrefillExtendBackend(Budgeted):
             )
         else:  # each row against its own query's K/V
             name = "score_mixed_items"
-            count = mixed_queries(step.size)
+            count = self.mixed_queries(step.size, size)
             own = [self._resized(prefixes[q], size) for q in step_queries]
             padding = [self._resized(self._empty, size)] * (count - len(own))
             stacked = layout.put_prefix(stack(own + padding, count=count), stacked=True)
@@ -473,6 +465,16 @@ class PrefillExtendBackend(Budgeted):
         """A step's activations fit the budget; the K/V it holds, `held_budget`."""
         return self.budget + self.held_budget
 
+    def query_cap(self, size: int) -> int:
+        """Distinct queries a mixed extend step with K/V of `size` positions may hold: as many
+        as the budget holds stacked (every layer of each), a power of two, at least 2."""
+        return max(2, pow2_floor(self.budget // self.prefix_bytes(size)))
+
+    def mixed_queries(self, rows: int, size: int) -> int:
+        """The prefixes a mixed step of `rows` rows and K/V size `size` stacks: its rows, up to
+        `query_cap`. A function of its shape, so it adds no dimension to the shape set."""
+        return min(rows, self.query_cap(size))
+
     def prefix_bytes(self, query_len: int) -> int:
         """Bytes of one query's K/V (and last hidden state) as the cache holds it."""
         config, itemsize = self.model.config, self.model.dtype.itemsize
@@ -508,7 +510,8 @@ class PrefillExtendBackend(Budgeted):
             prefix_len = max(bucket_prefix(batches[g].query_len) for _, g, _ in pool)
             rows_for = functools.partial(self.batch_rows, row_prefix_len=prefix_len)
             queries = np.array([query_of[g] for _, g, _ in pool])
-            for positions, item_len in self._plan(lens, rows_for, queries):
+            cap = self.query_cap(prefix_len)
+            for positions, item_len in self._plan(lens, rows_for, (queries, cap)):
                 groups = np.array([pool[p][1] for p in positions])
                 rows = np.array([pool[p][2] for p in positions])
                 steps.append(ExtendStep(item_len, groups, rows, layout.rows(len(rows))))
@@ -695,19 +698,20 @@ class PrefillExtendBackend(Budgeted):
         )
         return per_device * self.model.layout.data
 
-    def _plan(self, sorted_lens: np.ndarray, batch_rows, queries: np.ndarray | None = None):
+    def _plan(self, sorted_lens: np.ndarray, batch_rows, queries=None):
         """Batches over length-sorted items: (positions in sorted order, item-length bucket);
-        batch_rows(item_len) caps a batch's items, and with `queries` (each item's query) a
-        batch holds at most MIXED_QUERIES distinct queries."""
+        batch_rows(item_len) caps a batch's items, and with queries = (each item's query, cap)
+        a batch holds at most cap distinct queries."""
         start, n = 0, len(sorted_lens)
         while start < n:
             count = n - start
             item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
             cap = batch_rows(item_len)
             if queries is not None:  # up to the first item of one query too many
-                _, first = np.unique(queries[start : start + min(count, cap)], return_index=True)
-                if len(first) > MIXED_QUERIES:
-                    cap = min(cap, int(np.sort(first)[MIXED_QUERIES]))
+                own, most = queries
+                _, first = np.unique(own[start : start + min(count, cap)], return_index=True)
+                if len(first) > most:
+                    cap = min(cap, int(np.sort(first)[most]))
             if count > cap:  # shrinking the batch can only shorten its bucket: cap still holds
                 count = cap
                 item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
@@ -734,7 +738,7 @@ class PrefillExtendBackend(Budgeted):
         unstack (rows, size): fresh one-chunk queries of one size together.
         resize (P_in, size): a cached prefix continued by a query of another size, or padded to
         a mixed step's size. score_items (rows, L, P, C) and score_mixed_items
-        (rows, L, mixed_queries(rows), P, C) with stack (mixed_queries(rows), P): rows a power
+        (rows, L, mixed_queries(rows, P), P, C) with its stack: rows a power
         of two within the step's budget, L an item bucket, P a query's size, C a label bucket.
         """
         Q, chunk, layout = limits.query_tokens, self.prefill_chunk, self.model.layout
@@ -768,7 +772,7 @@ class PrefillExtendBackend(Budgeted):
             for rows, size, width in itertools.product(row_counts, sizes, widths):
                 out.add(("score_items", (rows, item_len, size, width)))
                 if not invariant and rows >= 2:
-                    count = mixed_queries(rows)
+                    count = self.mixed_queries(rows, size)
                     out.add(("score_mixed_items", (rows, item_len, count, size, width)))
                     out.add(("stack", (count, size)))
         return out
