@@ -638,7 +638,7 @@ class PrefillExtendBackend(Budgeted):
             if base is None:
                 current[i] = self._empty
             else:
-                current[i] = self._resized(base._replace(length=jnp.int32(start)), bucket_prefix(n))
+                current[i] = self._resized(base._replace(length=np.int32(start)), bucket_prefix(n))
         for step in wave.prefill:
             advanced = self._prefill_step(wave.queries, step, current, out, owners)
             for chunk, prefix in zip(step.chunks, advanced, strict=True):
