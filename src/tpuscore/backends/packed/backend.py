@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
-# Packed tokens per scored position: a row scores up to length / 8 items (`slots`). Items of 8
-# tokens or more never split a row for it; each padding slot costs a few percent of a token.
-SLOT_TOKENS = 8
+# Packed tokens per scored position: a row of T tokens scores up to about T / 12 items (`slots`),
+# so its LM head costs a few percent of its layers. Rows of shorter items are padded longer.
+SLOT_TOKENS = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -221,8 +221,8 @@ class PackedBackend(Budgeted):
 
         Each group's items are split, in order, into chunks that fill the longest packed length
         that fits the budget, with no more items than their logits leave room for there
-        (`chunk_limits`, `packing.plan`) nor than a row of their length scores (`slots`); each
-        chunk is one packed row, its query first.
+        (`chunk_limits`, `packing.plan`, `slots`); each chunk is one packed row, its query first,
+        of `length_for` its tokens and items.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
         rows, the last step padded to one), so chunks of similar length share a step.
@@ -230,14 +230,14 @@ class PackedBackend(Budgeted):
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
             for g, batch in enumerate(batches)
-            for rows in packing.plan(
-                batch, *self.chunk_limits, items_for=lambda n: self.slots(self.bucket(n))
-            )
+            for rows in packing.plan(batch, self.max_tokens, self.slots(self.max_tokens))
         ]
-        chunks.sort(key=lambda chunk: -chunk[2])  # stable: equal lengths keep their order
+        lengths = [self.length_for(n, len(rows)) for _, rows, n in chunks]
+        order = sorted(range(len(chunks)), key=lambda c: -lengths[c])  # stable
+        chunks = [chunks[c] for c in order]
         steps, start = [], 0
         while start < len(chunks):
-            length = self.bucket(chunks[start][2])
+            length = lengths[order[start]]
             count = min(len(chunks) - start, self.rows(length))
             while count > 1 and self.step_bytes(chunks[start : start + count], length) > (
                 self.budget
@@ -275,11 +275,19 @@ class PackedBackend(Budgeted):
             self.model.config, rows, length, self.slots(length), dense_mask=self.dense_mask
         )
 
+    def length_for(self, tokens: int, items: int) -> int:
+        """The packed length of a row of `tokens` real tokens scoring `items` items: the bucket
+        of its tokens, or the first longer one whose `slots` hold its items (rows of many tiny
+        items are padded rather than split)."""
+        length = self.bucket(tokens)
+        while self.slots(length) < items and length < self.max_tokens:
+            length = self.bucket(length + 1)
+        return length
+
     def slots(self, length: int) -> int:
         """Items a packed row of `length` tokens scores (padding included): one per
-        SLOT_TOKENS tokens, a power of two, within what the logits leave room for. A function
-        of the length, so a step's shape is (rows, length) and labels: its item count adds no
-        dimension to the shape set."""
+        SLOT_TOKENS tokens, rounded up to a power of two, within what the logits leave room for.
+        A function of the length, so a step's item count adds no dimension to the shape set."""
         return min(self.chunk_limits[1], bucket_count(-(-length // SLOT_TOKENS)))
 
     @property

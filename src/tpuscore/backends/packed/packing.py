@@ -20,7 +20,7 @@ token a segment of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -63,21 +63,14 @@ def pack(batch: ScoreBatch, rows: np.ndarray, length: int) -> PackedChunk:
     return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(rows))
 
 
-def plan(
-    batch: ScoreBatch,
-    max_tokens: int,
-    max_items: int | None = None,
-    items_for: Callable[[int], int] | None = None,
-) -> Iterator[np.ndarray]:
+def plan(batch: ScoreBatch, max_tokens: int, max_items: int | None = None) -> Iterator[np.ndarray]:
     """Split the batch's items, in order, into chunks of at most max_tokens query + item tokens
-    and at most max_items items (batch rows per chunk), and with items_for, at most
-    items_for(tokens) items in a chunk of that many tokens (non-decreasing in tokens). An item
-    too long to share a chunk gets one of its own."""
+    and at most max_items items (batch rows per chunk). An item too long to share a chunk gets
+    one of its own."""
     Q, lens = batch.query_len, batch.item_lens[: batch.num_items]
     start, used = 0, Q
     for i, n in enumerate(lens):
         full = max_items is not None and i - start >= max_items
-        full = full or (items_for is not None and i - start >= items_for(used + int(n)))
         if i > start and (used + n > max_tokens or full):
             yield np.arange(start, i)
             start, used = i, Q

@@ -15,6 +15,11 @@ A step whose rows share one query keeps the shared-prefix matmul.
 `schedule` plans a call as waves of groups, each with its prefill and extend steps;
 `score_groups` runs those steps and `work` prices the same ones, so what is priced is what runs.
 
+Every step's shape comes from a finite lattice (`shapes`): a query's K/V hold `bucket_prefix` of
+its length (a power of two) from its first step, a mixed step stacks as many prefixes as its rows
+allow (`mixed_queries`), and stacking and resizing prefixes are jitted steps, since eager jnp ops
+compile per shape too.
+
 In batch-invariant mode every step's shape and content depend on one query and its own items
 alone: queries prefill one per step, in chunks at fixed boundaries, reusing the prefix cache only
 on an exact hit (so a query's K/V never depend on what was cached); items are bucketed by their
