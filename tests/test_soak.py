@@ -84,7 +84,7 @@ class Gated:
 
 def score_request(rng, vocab) -> dict:
     """A small request: random tokens and options in one geometry (a 200-token query, 6 items of
-    12 tokens), so that the traffic meets few shapes until the engine's shape set bounds them."""
+    12 tokens): the answers are checked against the scorer run alone, request by request."""
     return {
         "query": random_tokens(rng, 200, vocab),
         "items": [random_tokens(rng, 12, vocab) for _ in range(6)],
