@@ -10,6 +10,7 @@ sequence length. Queries are cold (nothing cached). Also prints the shape-set si
 
     python benchmarks/shape_padding.py                  # the default model's budgets
     python benchmarks/shape_padding.py --tiny
+    python benchmarks/shape_padding.py --time-sample 5   # and time 5 compiles per backend
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--per-call", type=int, default=8, help="requests merged into one call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also compile N random shapes per backend of the 512/32/2 set and time each",
+    )
     args = p.parse_args(argv)
 
     from tpuscore import Scorer
@@ -83,6 +91,33 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(scorer, "shapes"):
         for backend in ("prefill_extend", "packed_dense", "serial", "auto"):
             print(f"shape set, default limits, {backend}: {len(scorer.shapes(backends=[backend]))}")
+    if args.time_sample:
+        time_sample(scorer, args.time_sample, args.seed)
+
+
+def time_sample(scorer, n: int, seed: int) -> None:
+    """Compile n random shapes per backend of the 512/32/2 set, timing each (a sample of what
+    `warmup(all=True)` takes), and extrapolate to the backend's whole set."""
+    import random
+    import statistics
+    import time
+
+    import jax
+
+    limits = {"query_tokens": 512, "item_tokens": 32, "labels": 2}
+    rng = random.Random(seed)
+    for backend in ("packed_dense", "prefill_extend", "serial"):
+        own = scorer.shapes(limits, backends=[backend])
+        seconds = []
+        for shape in rng.sample(own, min(n, len(own))):
+            start = time.perf_counter()
+            scorer.get_backend(backend).warm((shape.step, shape.shape))
+            jax.effects_barrier()
+            seconds.append(time.perf_counter() - start)
+            print(f"  {backend} {shape.step} {shape.shape}: {seconds[-1]:.1f} s")
+        median = statistics.median(seconds)
+        total = median * len(own) / 60
+        print(f"{backend}: {len(own)} shapes, median {median:.1f} s each, about {total:.0f} min")
 
 
 if __name__ == "__main__":
