@@ -13,6 +13,8 @@ interpreter.
     python benchmarks/soak.py                         # the embedded default model, CPU
     python benchmarks/soak.py --tiny --duration 30    # a tiny random checkpoint
     python benchmarks/soak.py --json soak.json --plot docs/soak.png
+    python benchmarks/soak.py --tiny --backend packed_dense \
+        --warmup-all query_tokens=160,item_tokens=64,labels=2   # the shape set first
 """
 
 from __future__ import annotations
@@ -224,6 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="write every figure and answer here")
     p.add_argument("--plot", help="write a PNG of latency and RSS over time here")
     p.add_argument("--warmup", type=float, help="seconds of unmeasured traffic first (--duration)")
+    p.add_argument(
+        "--warmup-all",
+        metavar="LIMITS",
+        help="first compile the scorer's shape set within LIMITS (query_tokens=N,item_tokens=N,"
+        "labels=N; `warmup(all=True)`), so the phases should compile nothing",
+    )
+    p.add_argument("--backend", default="auto", help="the scorer's backend (default auto)")
     hidden = {"nargs": 3, "metavar": ("URL", "REQUESTS", "OUT"), "help": argparse.SUPPRESS}
     p.add_argument("--http-client", **hidden)
     args = p.parse_args(argv)
@@ -247,15 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         from hf_reference import make_checkpoint
 
         scorer = Scorer.from_pretrained(
-            make_checkpoint(tempfile.mkdtemp(), "qwen3_qknorm"), dtype="float32"
-        )
+            make_checkpoint(tempfile.mkdtemp(), "qwen3_qknorm"), dtype="float32",
+            backend=args.backend,
+        )  # fmt: skip
         template = templates.Template(
             name="soak", query="{instruction}\n\nQuery: {query}\n", item="Document: {item}",
             item_suffix="\nRelevant:", labels=("y", "n"), default_instruction="Relevant?",
         )  # fmt: skip
         model = "tiny random qwen3 (float32)"
     else:
-        scorer, template, model = Scorer.from_pretrained(), "plain", "SmolLM2-135M-Instruct"
+        scorer = Scorer.from_pretrained(backend=args.backend)
+        template, model = "plain", "SmolLM2-135M-Instruct"
     rng = np.random.default_rng(args.seed)
     requests = make_requests(rng, args.requests, scorer.config.vocab_size)
     print("# tpuscore soak benchmark\n")
@@ -265,6 +276,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- model: {model}; {args.clients} clients, {args.duration:.0f} s a phase")
     sys.stdout.flush()
 
+    if args.warmup_all is not None:
+        pairs = (part.split("=") for part in args.warmup_all.split(",") if part)
+        limits = {name: int(value) for name, value in pairs}
+        start, count = time.monotonic(), len(scorer.shapes(limits))
+        scorer.warmup(all=True, limits=limits)
+        took = time.monotonic() - start
+        print(
+            f"- warmup(all=True) {limits}: {count} shapes, {len(compiles)} compiles, {took:.0f} s"
+        )
     batcher_options = {"max_pending": 4 * args.clients}
     start = time.monotonic()
     app = server.create_app(scorer, rerank_template=template, batcher_options=batcher_options)

@@ -17,8 +17,9 @@ import pytest
 from helpers import random_tokens, seeded_rng
 from tpuscore import Scorer, backends
 from tpuscore.backends import BackendOutput
-from tpuscore.backends.buckets import bucket_tokens
+from tpuscore.backends.buckets import bucket_count, bucket_tokens
 from tpuscore.backends.contract import make_batch
+from tpuscore.backends.packed.backend import SLOT_TOKENS
 from tpuscore.backends.packed.memory import packed_step_bytes
 from tpuscore.backends.prefill_extend.memory import prefill_row_bytes
 from tpuscore.backends.reference import last_token_logprobs
@@ -96,7 +97,10 @@ def test_64_different_queries_share_device_steps(scorers, sixty_four, backend):
         length = bucket_tokens(longest)
         if backend == "packed_segment":
             length = -(-length // 128) * 128  # whole kernel tiles
-        one_row = packed_step_bytes(base.config, 1, length, 2, dense_mask=backend == "packed_dense")
+        slots = bucket_count(-(-length // SLOT_TOKENS))  # a row's item slots at this length
+        one_row = packed_step_bytes(
+            base.config, 1, length, slots, dense_mask=backend == "packed_dense"
+        )
         options = {backend: {"activation_bytes": 16 * one_row}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
     calls = _count_calls(scorer, backend)

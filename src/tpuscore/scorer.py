@@ -18,6 +18,7 @@ from tpuscore.backends import registry
 from tpuscore.engine import compilation_cache, planning, selection
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.runner import Engine
+from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models import loaders
 from tpuscore.models.config import ModelConfig
@@ -38,20 +39,12 @@ class Scorer:
     one with `from_pretrained` and reuse it (it keeps compiled shapes and caches). Thread-safe."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        params: Params,
-        tokenizer: tokenizers.Tokenizer | None,
-        *,
-        dtype: Any = None,
-        backend: str = registry.AUTO,
-        backend_options: BackendOptions | None = None,
-        selector: planning.Selector | None = None,
-        profile: Profile | None = None,
-        mesh: jax.sharding.Mesh | None = None,
-        devices: Sequence[jax.Device] | None = None,
-        batch_invariant: bool = False,
-    ):
+        self, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None, *,
+        dtype: Any = None, backend: str = registry.AUTO,
+        backend_options: BackendOptions | None = None, selector: planning.Selector | None = None,
+        profile: Profile | None = None, mesh: jax.sharding.Mesh | None = None,
+        devices: Sequence[jax.Device] | None = None, batch_invariant: bool = False,
+    ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`)."""
         model = Model.build(config, params, dtype, sharding.make_layout(config, mesh, devices))
@@ -162,13 +155,20 @@ class Scorer:
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,
-        backends: Sequence[str] | None = None,
+        backends: Sequence[str] | None = None, all: bool = False, limits: Limits | None = None,  # noqa: A002
     ) -> list[Warmed]:  # fmt: skip
-        """Compile ahead of time the steps of (query_tokens, num_items, item_tokens) geometries."""
-        return self.engine.warmup(geometries, backends)
+        """Compile ahead of time the steps of (query_tokens, num_items, item_tokens) geometries,
+        or with all=True every shape of `shapes(limits)`: then nothing within them compiles."""
+        return self.engine.warmup(geometries, backends, all, limits)
 
-    def get_backend(self, name: str) -> registry.Backend:
-        """The scorer's instance of backend `name`, built on first use."""
+    def shapes(
+        self, limits: Limits | None = None, *, backends: Sequence[str] | None = None
+    ) -> list[StepShape]:
+        """Every step shape the backends (default the scorer's; auto: all it may pick) can
+        compile for requests within `limits` (query_tokens, item_tokens, labels), uncompiled."""
+        return self.engine.shapes(limits, backends)
+
+    def get_backend(self, name: str) -> registry.Backend:  # built on first use
         return self.engine.backends.get(name)
 
     config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")

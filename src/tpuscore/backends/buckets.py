@@ -23,6 +23,23 @@ def bucket_count(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def bucket_prefix(n: int) -> int:
+    """Positions a cached query's K/V holds: the smallest power of two >= max(n, 16). Coarser
+    than `bucket_tokens` (at most half padding, not a third) because every extend step's shape
+    carries it: each bucket here multiplies the extend steps a scorer can compile."""
+    return bucket_count(n, MIN_TOKEN_BUCKET)
+
+
+def row_buckets(low: int, high: int, data: int = 1) -> list[int]:
+    """The padded row counts of steps of low..high rows (as `Layout.rows` pads them): the powers
+    of two from bucket_count(low) to bucket_count(high), each rounded up to a multiple of data."""
+    counts, rows = set(), bucket_count(low)
+    while low <= high and rows <= bucket_count(high):
+        counts.add(-(-rows // data) * data)
+        rows *= 2
+    return sorted(counts)
+
+
 def pow2_floor(n: int) -> int:
     """Largest power of two <= max(n, 1)."""
     return 1 << (max(n, 1).bit_length() - 1)

@@ -17,7 +17,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore.backends.buckets import MIN_LABEL_BUCKET, bucket_count, bucket_tokens
+from tpuscore.backends.buckets import (
+    MIN_LABEL_BUCKET,
+    bucket_count,
+    bucket_tokens,
+    row_buckets,
+)
 from tpuscore.parallel.sharding import to_host
 
 
@@ -83,6 +88,25 @@ def stack_labels(label_ids: Sequence[np.ndarray], rows: int) -> np.ndarray:
     for r, ids in enumerate(label_ids):
         labels[r, : len(ids)] = ids
     return labels
+
+
+@attrs.frozen
+class ShapeLimits:
+    """The requests a scorer's shape set covers: queries of at most `query_tokens` tokens, items
+    of at most `item_tokens`, at most `labels` label ids, any number of items and requests per
+    call. Items per step are the backends' own (their budgets and options)."""
+
+    query_tokens: int
+    item_tokens: int
+    labels: int
+
+    def label_widths(self) -> list[int]:
+        """The label buckets (`make_batch`) of 1..labels labels."""
+        return row_buckets(MIN_LABEL_BUCKET, bucket_count(self.labels, MIN_LABEL_BUCKET))
+
+
+# A step shape: (jitted function, padded input shape), as `StepStats.shapes` records them.
+Shape = tuple[str, tuple[int, ...]]
 
 
 @attrs.define

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -16,9 +17,15 @@ import numpy as np
 
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
-from tpuscore.backends.buckets import bucket_tokens, pow2_floor
+from tpuscore.backends.buckets import bucket_tokens, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
-from tpuscore.backends.contract import BackendOutput, GroupsOutputBuilder, ScoreBatch
+from tpuscore.backends.contract import (
+    BackendOutput,
+    GroupsOutputBuilder,
+    ScoreBatch,
+    Shape,
+    ShapeLimits,
+)
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -124,12 +131,7 @@ class SerialBackend(Budgeted):
                 buckets = np.full(len(lens), bucket_tokens(int(lens.max(initial=1))))
             for T in sorted(set(buckets.tolist())):
                 (items,) = np.nonzero(buckets == T)
-                per_device = serial_batch_rows(
-                    self.model.config, T, self.budget, self.max_batch_tokens, MAX_ROWS
-                )
-                if self.batch_invariant:
-                    per_device = min(per_device, INVARIANT_ROWS)
-                rows = per_device * layout.data
+                rows = self.rows_per_step(T)
                 for start in range(0, len(items), rows):
                     chunk = items[start : start + rows]
                     size = rows if self.batch_invariant else layout.rows(len(chunk))
@@ -151,6 +153,44 @@ class SerialBackend(Budgeted):
             )
             for step in self.schedule(batches)
         ]
+
+    def rows_per_step(self, length: int) -> int:
+        """Rows of a step of sequences padded to `length`: the most that fit (non-invariant
+        steps pad fewer to a power of two); in batch-invariant mode, exactly this many."""
+        per_device = serial_batch_rows(
+            self.model.config, length, self.budget, self.max_batch_tokens, MAX_ROWS
+        )
+        if self.batch_invariant:
+            per_device = min(per_device, INVARIANT_ROWS)
+        return per_device * self.model.layout.data
+
+    def shapes(self, limits: ShapeLimits) -> set[Shape]:
+        """Every (step, shape) this backend can compile for requests within `limits`, on its
+        budget as it is: score_sequences (rows, T, C) for T a token bucket of a query and an
+        item, rows a power of two within T's budget (batch-invariant: `rows_per_step`), C a
+        label bucket (docs/serving.md, "Compiled shapes")."""
+        longest = limits.query_tokens + limits.item_tokens
+        out = set()
+        for length in sorted({bucket_tokens(n) for n in range(1, longest + 1)}):
+            cap = self.rows_per_step(length)
+            counts = [cap] if self.batch_invariant else row_buckets(1, cap, self.model.layout.data)
+            for rows, width in itertools.product(counts, limits.label_widths()):
+                out.add(("score_sequences", (rows, length, width)))
+        return out
+
+    def warm(self, shape: Shape) -> None:
+        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
+        name, (rows, length, width) = shape
+        if name != "score_sequences":
+            raise ValueError(f"serial has no step {name!r}")
+        put = self.model.layout.put_rows
+        self.score_sequences(
+            self.model.params,
+            put(np.zeros((rows, length), np.int32)),
+            put(np.zeros(rows, np.int32)),
+            np.zeros(width, np.int32),
+            config=self.model.config,
+        )
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         return self.score_groups([batch])[0]

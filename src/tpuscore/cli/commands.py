@@ -178,6 +178,18 @@ def _parser() -> argparse.ArgumentParser:
         "shorten it",
     )
     add(
+        "--warmup",
+        choices=("none", "all"),
+        default="none",
+        help="all: compile the scorer's whole shape set before serving (Scorer.warmup(all=True)), "
+        "so no request within --warmup-limits compiles; none (default): compile on first use",
+    )
+    add(
+        "--warmup-limits",
+        help="the requests --warmup all covers, as query_tokens=N,item_tokens=N,labels=N (any of "
+        "them; default the model's context length and 16 labels); smaller limits, fewer shapes",
+    )
+    add(
         "--allowed-hosts",
         help="comma-separated Host names the server answers, or '*' for any (default: the "
         "loopback names for a loopback --host, any otherwise)",
@@ -467,7 +479,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
     check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
+    limits = parse_limits(args.warmup_limits)
     scorer = load_scorer(args)
+    if args.warmup == "all":
+        warm_shape_set(scorer, limits)
     batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
     if args.max_pending is not None:
         batcher_options["max_pending"] = args.max_pending
@@ -496,6 +511,31 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     server.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def parse_limits(text: str | None) -> dict[str, int]:
+    """--warmup-limits "query_tokens=512,labels=2" as a mapping; InputError if malformed."""
+    limits = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        if not value.strip().isdigit():
+            raise InputError(f"--warmup-limits: {part!r} is not NAME=INT")
+        limits[name.strip()] = int(value)
+    return limits
+
+
+def warm_shape_set(scorer, limits: dict[str, int]) -> None:
+    """Compile the scorer's shape set within `limits`, saying how many and how long."""
+    from tpuscore import ValidationError
+
+    try:
+        count = len(scorer.shapes(limits))
+        print(f"tpuscore: compiling {count} step shapes (--warmup all)", file=sys.stderr)
+        warmed = scorer.warmup(all=True, limits=limits)
+    except ValidationError as e:
+        raise InputError(f"--warmup-limits: {e}") from None
+    seconds = sum(w.seconds for w in warmed)
+    print(f"tpuscore: compiled {count} step shapes in {seconds:.1f} s", file=sys.stderr)
 
 
 def check_port_free(host: str, port: int) -> None:

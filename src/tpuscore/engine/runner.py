@@ -20,8 +20,9 @@ from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
+from tpuscore.backends.contract import ShapeLimits
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import memory_guard, planning, progress, selection
+from tpuscore.engine import memory_guard, planning, progress, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 from tpuscore.models.config import ModelConfig
@@ -163,10 +164,37 @@ class Engine:
         return plan
 
     def warmup(
-        self, geometries: Sequence[Sequence[int]] | None, backends: Sequence[str] | None
+        self,
+        geometries: Sequence[Sequence[int]] | None,
+        backends: Sequence[str] | None,
+        all: bool = False,  # noqa: A002 (the public keyword: warmup(all=True))
+        limits: ShapeLimits | Mapping[str, int] | None = None,
     ) -> list[Warmed]:
         """`Scorer.warmup`: compile the steps of these geometries on these backends (default
-        `DEFAULT_GEOMETRIES` on the default backend)."""
+        `DEFAULT_GEOMETRIES` on the default backend), or with all=True their whole shape set
+        within `limits` (`shapes`)."""
+        if all:
+            if geometries is not None:
+                raise ValidationError(
+                    "invalid_geometry",
+                    "warmup(all=True) compiles the whole shape set; give geometries or all=True",
+                    "geometries",
+                )
+            return shapes.warm_all(self.backends, self.shapes(limits, backends))
         names = [self.checked_backend(b) for b in backends or [self.default_backend]]
         geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
         return warm(self.backends, self.prepare, self.selector, names, geometries)
+
+    def shapes(
+        self,
+        limits: ShapeLimits | Mapping[str, int] | None,
+        backends: Sequence[str] | None,
+    ) -> list[shapes.StepShape]:
+        """`Scorer.shapes`: the shape set of these backends (default the default backend; auto:
+        every backend it may pick) for requests within `limits` (`shapes.limits_for`)."""
+        names = []
+        for backend in backends or [self.default_backend]:
+            for name in shapes.backends_for(self.checked_backend(backend), self.selector):
+                if name not in names:
+                    names.append(name)
+        return shapes.shape_set(self.backends, names, shapes.limits_for(self.config, limits))

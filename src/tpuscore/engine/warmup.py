@@ -38,9 +38,10 @@ DEFAULT_GEOMETRIES = tuple((q, n, 16) for q in (64, 256, 1024) for n in (10, 100
 
 @attrs.frozen
 class Warmed:
-    """One warmed geometry: the backend that ran it, its device steps and the seconds taken."""
+    """One warmed geometry: the backend that ran it, its device steps and the seconds taken; or
+    (geometry None) one backend's whole shape set (`shapes.warm_all`), steps its shapes."""
 
-    geometry: tuple[int, int, int]
+    geometry: tuple[int, int, int] | None
     backend: str
     steps: int
     seconds: float

@@ -28,9 +28,15 @@ import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
-from tpuscore.backends.contract import BackendOutput, ScoreBatch, stack_labels
+from tpuscore.backends.contract import (
+    BackendOutput,
+    ScoreBatch,
+    Shape,
+    ShapeLimits,
+    stack_labels,
+)
 from tpuscore.backends.packed import memory, packing
 from tpuscore.kernels.segment.gpu import (
     GpuBlockSizes,
@@ -49,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
+# Packed tokens per scored position: a row of T tokens scores up to about T / 12 items (`slots`),
+# so its LM head costs a few percent of its layers. Rows of shorter items are padded longer.
+SLOT_TOKENS = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,7 +191,9 @@ class PackedBackend(Budgeted):
                 )
             groups = [g for g, _ in step.chunks]
             packed = packing.stack(
-                [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks], step.rows
+                [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks],
+                step.rows,
+                self.slots(step.length),
             )
             labels = stack_labels([batches[g].label_ids for g in groups], step.rows)
             tokens: dict[int, int] = {}
@@ -215,7 +226,8 @@ class PackedBackend(Budgeted):
 
         Each group's items are split, in order, into chunks that fill the longest packed length
         that fits the budget, with no more items than their logits leave room for there
-        (`chunk_limits`, `packing.plan`); each chunk is one packed row, its query first.
+        (`chunk_limits`, `packing.plan`, `slots`); each chunk is one packed row, its query first,
+        of `length_for` its tokens and items.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
         rows, the last step padded to one), so chunks of similar length share a step.
@@ -223,12 +235,14 @@ class PackedBackend(Budgeted):
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
             for g, batch in enumerate(batches)
-            for rows in packing.plan(batch, *self.chunk_limits)
+            for rows in packing.plan(batch, self.max_tokens, self.slots(self.max_tokens))
         ]
-        chunks.sort(key=lambda chunk: -chunk[2])  # stable: equal lengths keep their order
+        lengths = [self.length_for(n, len(rows)) for _, rows, n in chunks]
+        order = sorted(range(len(chunks)), key=lambda c: -lengths[c])  # stable
+        chunks = [chunks[c] for c in order]
         steps, start = [], 0
         while start < len(chunks):
-            length = self.bucket(chunks[start][2])
+            length = lengths[order[start]]
             count = min(len(chunks) - start, self.rows(length))
             while count > 1 and self.step_bytes(chunks[start : start + count], length) > (
                 self.budget
@@ -261,11 +275,25 @@ class PackedBackend(Budgeted):
         """Estimated peak memory on each device of one step packing these (group, rows, tokens)
         chunks."""
         layout = self.model.layout
-        slots = bucket_count(max(len(rows) for _, rows, _ in chunks))
         rows = layout.rows(len(chunks)) // layout.data
         return memory.packed_step_bytes(
-            self.model.config, rows, length, slots, dense_mask=self.dense_mask
+            self.model.config, rows, length, self.slots(length), dense_mask=self.dense_mask
         )
+
+    def length_for(self, tokens: int, items: int) -> int:
+        """The packed length of a row of `tokens` real tokens scoring `items` items: the bucket
+        of its tokens, or the first longer one whose `slots` hold its items (rows of many tiny
+        items are padded rather than split)."""
+        length = self.bucket(tokens)
+        while self.slots(length) < items and length < self.max_tokens:
+            length = self.bucket(length + 1)
+        return length
+
+    def slots(self, length: int) -> int:
+        """Items a packed row of `length` tokens scores (padding included): one per
+        SLOT_TOKENS tokens, rounded up to a power of two, within what the logits leave room for.
+        A function of the length, so a step's item count adds no dimension to the shape set."""
+        return min(self.chunk_limits[1], bucket_count(-(-length // SLOT_TOKENS)))
 
     @property
     def max_tokens(self) -> int:
@@ -316,12 +344,42 @@ class PackedBackend(Budgeted):
                     rows=step.rows,
                     new=T,
                     pairs=pairs,
-                    slots=bucket_count(max(len(rows) for _, rows, _ in chunks)),
+                    slots=self.slots(T),
                     peak=self.step_bytes(chunks, T),
                     kv_bytes=kv,
                 )
             )
         return steps
+
+    def shapes(self, limits: ShapeLimits) -> set[Shape]:
+        """Every (step, shape) this backend can compile for requests within `limits`, on its
+        budget as it is: score_packed (rows, T, slots(T), C) for T a packed length up to the
+        longest chunk (`max_tokens`, or a query and one item past it), rows a power of two
+        within T's budget, C a label bucket (docs/serving.md, "Compiled shapes")."""
+        longest = max(self.max_tokens, limits.query_tokens + limits.item_tokens)
+        lengths = sorted({self.bucket(n) for n in range(1, longest + 1)})
+        return {
+            ("score_packed", (rows, length, self.slots(length), width))
+            for length in lengths
+            for rows in row_buckets(1, self.rows(length), self.model.layout.data)
+            for width in limits.label_widths()
+        }
+
+    def warm(self, shape: Shape) -> None:
+        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
+        name, (rows, length, slots, width) = shape
+        if name != "score_packed":
+            raise ValueError(f"{type(self).__name__} has no step {name!r}")
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        inputs = [zeros((rows, length))] * 2 + [zeros(rows), zeros((rows, length))]
+        inputs += [zeros((rows, slots)), zeros((rows, width))]
+        self.score_packed(
+            self.model.params,
+            *map(self.model.layout.put_rows, inputs),
+            config=self.model.config,
+            block_sizes=self.block_sizes,
+            layout=self.model.layout,
+        )
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length."""

@@ -91,11 +91,10 @@ class PackedRows:
     score_index: np.ndarray
 
 
-def stack(chunks: Sequence[PackedChunk], rows: int) -> PackedRows:
-    """The chunks (all of one length T) as the first rows of `rows` packed rows, scoring as many
-    positions per row as the chunk that scores the most."""
+def stack(chunks: Sequence[PackedChunk], rows: int, slots: int) -> PackedRows:
+    """The chunks (all of one length T, none scoring more than `slots` items) as the first rows
+    of `rows` packed rows, scoring `slots` positions per row."""
     T = len(chunks[0].tokens)
-    slots = max(len(c.score_index) for c in chunks)
     tokens = np.zeros((rows, T), np.int32)
     positions = np.zeros((rows, T), np.int32)
     seg_start = np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()

@@ -15,6 +15,11 @@ A step whose rows share one query keeps the shared-prefix matmul.
 `schedule` plans a call as waves of groups, each with its prefill and extend steps;
 `score_groups` runs those steps and `work` prices the same ones, so what is priced is what runs.
 
+Every step's shape comes from a finite lattice (`shapes`): a query's K/V hold `bucket_prefix` of
+its length (a power of two) from its first step, a mixed step stacks as many prefixes as its rows
+allow (`mixed_queries`), and stacking and resizing prefixes are jitted steps, since eager jnp ops
+compile per shape too.
+
 In batch-invariant mode every step's shape and content depend on one query and its own items
 alone: queries prefill one per step, in chunks at fixed boundaries, reusing the prefix cache only
 on an exact hit (so a query's K/V never depend on what was cached); items are bucketed by their
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
@@ -36,12 +42,20 @@ import numpy as np
 
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.buckets import (
+    MIN_TOKEN_BUCKET,
+    bucket_prefix,
+    bucket_tokens,
+    pow2_floor,
+    row_buckets,
+)
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
     GroupsOutputBuilder,
     ScoreBatch,
+    Shape,
+    ShapeLimits,
     stack_labels,
 )
 from tpuscore.backends.prefill_extend import memory
@@ -206,6 +220,27 @@ def _unstack(prefixes: Prefix, row: jax.Array, size: int) -> Prefix:
     )
 
 
+@functools.partial(jax.jit, static_argnames="size")
+def resize(prefix: Prefix, size: int) -> Prefix:
+    """`prefix` holding `size` positions: cut, or zero-padded past its own (a cached query's
+    K/V continued by a longer query, or padded to the longest of a mixed step's queries)."""
+
+    def fit(x: jax.Array, axis: int) -> jax.Array:
+        extra = size - x.shape[axis]
+        if extra <= 0:
+            return jax.lax.slice_in_dim(x, 0, size, axis=axis)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths)
+
+    return prefix._replace(k=fit(prefix.k, 3), v=fit(prefix.v, 2))
+
+
+# `decoder.stack_prefixes` jitted: `count` prefixes of one size, stacked. Eagerly, its jnp ops
+# would compile once per shape outside the shape set.
+stack = jax.jit(decoder.stack_prefixes, static_argnames="count")
+
+
 def bucket_item_tokens(n: int) -> int:
     """Item-length buckets: multiples of 4 up to 32, then `bucket_tokens`. Items are short and
     each padding token pays attention to the whole query: 20 tokens padded to 24 waste a sixth."""
@@ -235,13 +270,15 @@ class PrefillRow:
 @attrs.frozen
 class PrefillStep:
     """One prefill step: the next chunk of each row's query, padded to `length` tokens in `rows`
-    rows (1: a lone query, prefilled in place). `base_len`: the longest prefix, in positions,
-    among the queries pending when the step was sized (what bounds its rows)."""
+    rows (1: a lone query, prefilled in place). `base_len`: the positions of the K/V it
+    continues (the empty prefix's, or its query's `size`); `size`: the positions its queries'
+    K/V hold after it (`bucket_prefix` of their length, the same for every row)."""
 
     chunks: tuple[PrefillRow, ...]
     length: int
     base_len: int
     rows: int
+    size: int
 
 
 @attrs.frozen
@@ -278,8 +315,8 @@ class PrefillExtendBackend(Budgeted):
         config = model.config
         L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
         self._empty = Prefix(
-            k=jnp.zeros((L, K, H, bucket_tokens(0)), model.dtype),
-            v=jnp.zeros((L, K, bucket_tokens(0), H), model.dtype),
+            k=jnp.zeros((L, K, H, MIN_TOKEN_BUCKET), model.dtype),
+            v=jnp.zeros((L, K, MIN_TOKEN_BUCKET, H), model.dtype),
             length=jnp.int32(0),
             last_hidden=jnp.zeros(config.hidden_size, jnp.float32),
         )
@@ -331,7 +368,7 @@ class PrefillExtendBackend(Budgeted):
             for step in wave.extend:
                 rows, L = step.size, step.item_len
                 step_queries = {wave.query_of[w] for w in step.groups}
-                P = max(bucket_tokens(len(wave.queries[q])) for q in step_queries)
+                P = max(bucket_prefix(len(wave.queries[q])) for q in step_queries)
                 row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
                 peak = rows // layout.data * memory.extend_row_bytes(config, L, row_prefix)
                 steps.append(
@@ -372,32 +409,26 @@ class PrefillExtendBackend(Budgeted):
             width = min(step.item_len, batches[g].items.shape[1])  # groups pad to own buckets
             items[r, :width] = batches[g].items[i, :width]
         step_queries = sorted({query_of[w] for w in step.groups})
-        if len(set(groups)) == 1:  # one group: its labels for every row
-            labels = batches[groups[0]].label_ids
-        else:
-            labels = stack_labels([batches[g].label_ids for g in groups], items.shape[0])
+        labels = stack_labels([batches[g].label_ids for g in groups], items.shape[0])
+        size = max(prefixes[q].k.shape[-1] for q in step_queries)
         if len(step_queries) == 1:  # the shared-prefix matmul
             name = "score_items"
-            shape = (*items.shape, labels.shape[-1])
+            shape = (*items.shape, size, labels.shape[-1])
             logprobs = self.score_items(
                 self.model.params,
                 prefixes[step_queries[0]],
-                layout.put_rows(items),
-                layout.put_rows(item_lens),
-                labels if labels.ndim == 1 else layout.put_rows(labels),
+                *map(layout.put_rows, (items, item_lens, labels)),
                 self.model.config,
             )
         else:  # each row against its own query's K/V
             name = "score_mixed_items"
-            stacked = layout.put_prefix(
-                decoder.stack_prefixes(
-                    [prefixes[q] for q in step_queries], bucket_count(len(step_queries))
-                ),
-                stacked=True,
-            )
+            count = self.mixed_queries(step.size, size)
+            own = [self._resized(prefixes[q], size) for q in step_queries]
+            padding = [self._resized(self._empty, size)] * (count - len(own))
+            stacked = layout.put_prefix(stack(own + padding, count=count), stacked=True)
             query_index = np.zeros(items.shape[0], np.int32)
             query_index[:n] = [step_queries.index(query_of[w]) for w in step.groups]
-            shape = (*items.shape, *stacked.k.shape[1:2], stacked.k.shape[-1], labels.shape[-1])
+            shape = (*items.shape, count, size, labels.shape[-1])
             logprobs = self.score_mixed_items(
                 self.model.params,
                 stacked,
@@ -439,10 +470,20 @@ class PrefillExtendBackend(Budgeted):
         """A step's activations fit the budget; the K/V it holds, `held_budget`."""
         return self.budget + self.held_budget
 
+    def query_cap(self, size: int) -> int:
+        """Distinct queries a mixed extend step with K/V of `size` positions may hold: as many
+        as the budget holds stacked (every layer of each), a power of two, at least 2."""
+        return max(2, pow2_floor(self.budget // self.prefix_bytes(size)))
+
+    def mixed_queries(self, rows: int, size: int) -> int:
+        """The prefixes a mixed step of `rows` rows and K/V size `size` stacks: its rows, up to
+        `query_cap`. A function of its shape, so it adds no dimension to the shape set."""
+        return min(rows, self.query_cap(size))
+
     def prefix_bytes(self, query_len: int) -> int:
         """Bytes of one query's K/V (and last hidden state) as the cache holds it."""
         config, itemsize = self.model.config, self.model.dtype.itemsize
-        return work.kv_bytes(config, bucket_tokens(query_len), itemsize) + 4 * config.hidden_size
+        return work.kv_bytes(config, bucket_prefix(query_len), itemsize) + 4 * config.hidden_size
 
     def plan_extend(self, batches: Sequence[ScoreBatch], query_of: list[int]) -> list[ExtendStep]:
         """The extend steps that score these groups' items (query_of: each group's query).
@@ -471,9 +512,11 @@ class PrefillExtendBackend(Budgeted):
         if pool:
             pool.sort(key=lambda entry: entry[0])  # stable: equal lengths keep group order
             lens = np.array([n for n, _, _ in pool])
-            prefix_len = max(bucket_tokens(batches[g].query_len) for _, g, _ in pool)
+            prefix_len = max(bucket_prefix(batches[g].query_len) for _, g, _ in pool)
             rows_for = functools.partial(self.batch_rows, row_prefix_len=prefix_len)
-            for positions, item_len in self._plan(lens, rows_for):
+            queries = np.array([query_of[g] for _, g, _ in pool])
+            cap = self.query_cap(prefix_len)
+            for positions, item_len in self._plan(lens, rows_for, (queries, cap)):
                 groups = np.array([pool[p][1] for p in positions])
                 rows = np.array([pool[p][2] for p in positions])
                 steps.append(ExtendStep(item_len, groups, rows, layout.rows(len(rows))))
@@ -535,13 +578,18 @@ class PrefillExtendBackend(Budgeted):
         self, queries: Sequence[np.ndarray], read: Callable[[np.ndarray], Reuse | None]
     ) -> tuple[list[Prefix | None], dict[int, tuple[Prefix | None, int]], list[PrefillStep]]:
         """The prefill steps for these queries, as `Wave` holds them: nothing on a cache hit, the
-        part past the longest cached prefix on a partial hit, all of it on a miss. Queries that
-        need prefill run together, the next chunk of each in one row of a step, longest chunks
-        first so similar lengths share a step. Batch-invariant: exact hits only, and one query
-        per step, so its chunks start at 0 and every multiple of prefill_chunk."""
+        part past the longest cached prefix on a partial hit, all of it on a miss.
+
+        A query's K/V hold `bucket_prefix(len(query))` positions from its first step on, so its
+        steps' shapes come from the shape set (`shapes`). Queries of one prefill chunk at most,
+        with nothing cached, prefill together, one per row, in steps of queries of one K/V size,
+        longest first so similar lengths share a step. The others (longer, or continuing a cached
+        prefix, resized to their own size) prefill one per step, a chunk at a time.
+        Batch-invariant: exact hits only, and one query per step, so its chunks start at 0 and
+        every multiple of prefill_chunk."""
         ready: list[Prefix | None] = [None] * len(queries)
         reused: dict[int, tuple[Prefix | None, int]] = {}
-        pending = []  # (query index, tokens done, positions of its prefix so far)
+        together, alone = [], []  # query indices; alone: (index, tokens done)
         for i, query in enumerate(queries):
             n = len(query)
             if n == 0:
@@ -555,31 +603,31 @@ class PrefillExtendBackend(Budgeted):
                 continue
             # Reuse at most n - 1 tokens: the last token's hidden state is needed and not cached.
             start = 0 if reuse is None else min(reuse.length, n - 1)
-            base = None if start == 0 else reuse.value
-            reused[i] = (base, start)
-            pending.append((i, start, (base or self._empty).k.shape[-1]))
+            reused[i] = (None if start == 0 else reuse.value, start)
+            if start == 0 and n <= self.prefill_chunk and not self.batch_invariant:
+                together.append(i)
+            else:
+                alone.append((i, start))
         layout, steps = self.model.layout, []
-        while pending:
-            pending.sort(key=lambda p: -min(len(queries[p[0]]) - p[1], self.prefill_chunk))
-            chunk_len = min(len(queries[pending[0][0]]) - pending[0][1], self.prefill_chunk)
-            base_len = max(size for _, _, size in pending)
-            cap = (
-                1
-                if self.batch_invariant
-                else self.prefill_batch_rows(bucket_tokens(chunk_len), base_len)
-            )
-            taken, pending = pending[:cap], pending[cap:]
-            chunks = tuple(
-                PrefillRow(i, start, min(start + self.prefill_chunk, len(queries[i])))
-                for i, start, _ in taken
-            )
+        together.sort(key=lambda i: -len(queries[i]))
+        while together:
+            size = bucket_prefix(len(queries[together[0]]))
+            length = bucket_tokens(len(queries[together[0]]))
+            same = [i for i in together if bucket_prefix(len(queries[i])) == size]
+            cap = self.prefill_batch_rows(length, MIN_TOKEN_BUCKET)
+            taken = same[:cap]
+            together = [i for i in together if i not in set(taken)]
+            chunks = tuple(PrefillRow(i, 0, len(queries[i])) for i in taken)
             rows = 1 if len(chunks) == 1 else layout.rows(len(chunks))
-            steps.append(PrefillStep(chunks, bucket_tokens(chunk_len), base_len, rows))
-            pending += [
-                (c.query, c.stop, bucket_tokens(c.stop))
-                for c in chunks
-                if c.stop < len(queries[c.query])
-            ]
+            steps.append(PrefillStep(chunks, length, MIN_TOKEN_BUCKET, rows, size))
+        for i, start in alone:
+            n, size = len(queries[i]), bucket_prefix(len(queries[i]))
+            base_len = MIN_TOKEN_BUCKET if start == 0 else size
+            while start < n:
+                stop = min(start + self.prefill_chunk, n)
+                chunk = (PrefillRow(i, start, stop),)
+                steps.append(PrefillStep(chunk, bucket_tokens(stop - start), base_len, 1, size))
+                start, base_len = stop, size
         return ready, reused, steps
 
     def _run_prefill(
@@ -592,7 +640,10 @@ class PrefillExtendBackend(Budgeted):
         for i, (base, start) in wave.reused.items():
             n = len(wave.queries[i])
             logger.debug("prefilling %d of %d query tokens (%d cached)", n - start, n, start)
-            current[i] = self._empty if base is None else base._replace(length=jnp.int32(start))
+            if base is None:
+                current[i] = self._empty
+            else:
+                current[i] = self._resized(base._replace(length=np.int32(start)), bucket_prefix(n))
         for step in wave.prefill:
             advanced = self._prefill_step(wave.queries, step, current, out, owners)
             for chunk, prefix in zip(step.chunks, advanced, strict=True):
@@ -605,6 +656,10 @@ class PrefillExtendBackend(Budgeted):
                     self.cache.put(wave.queries[i], prefix, nbytes)
         return prefixes
 
+    def _resized(self, prefix: Prefix, size: int) -> Prefix:
+        """`prefix` holding `size` positions (itself if it does)."""
+        return prefix if prefix.k.shape[-1] == size else resize(prefix, size=size)
+
     def _prefill_step(self, queries, step: PrefillStep, current, out, owners) -> list[Prefix]:
         """Run one prefill step on the prefixes so far (`current`, by query); returns the
         advanced prefix of each of its chunks."""
@@ -613,34 +668,33 @@ class PrefillExtendBackend(Budgeted):
         tokens = np.zeros((step.rows, step.length), np.int32)
         for r, chunk in enumerate(chunks):
             tokens[r, : len(chunk)] = chunk
-        sizes = [bucket_tokens(c.stop) for c in step.chunks]
         charged = {owners[c.query]: c.stop - c.start for c in step.chunks}
         if len(chunks) == 1:  # one query: its prefix in place, as a lone request runs
             if out is not None:
-                out.step("prefill", (tokens.shape[1], sizes[0]), charged)
+                out.step("prefill", (step.length, step.base_len, step.size), charged)
             prefix = self.prefill(
                 self.model.params,
                 current[step.chunks[0].query],
                 tokens,
                 np.int32(len(chunks[0])),
                 config=self.model.config,
-                size=sizes[0],
+                size=step.size,
             )
             return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
         counts[: len(chunks)] = list(map(len, chunks))
-        stacked = decoder.stack_prefixes([current[c.query] for c in step.chunks], step.rows)
+        empties = stack([self._empty] * step.rows, count=step.rows)
         if out is not None:
-            out.step("prefill_rows", (*tokens.shape, stacked.k.shape[-1], max(sizes)), charged)
+            out.step("prefill_rows", (*tokens.shape, step.base_len, step.size), charged)
         stacked = self.prefill_rows(
             self.model.params,
-            layout.put_prefix(stacked, stacked=True),
+            layout.put_prefix(empties, stacked=True),
             layout.put_rows(tokens),
             layout.put_rows(counts),
             config=self.model.config,
-            size=max(sizes),
+            size=step.size,
         )
-        return [_unstack(stacked, np.int32(r), size=size) for r, size in enumerate(sizes)]
+        return [_unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]
 
     def prefill_batch_rows(self, length: int, base_len: int) -> int:
         """Queries per batched prefill step at this chunk length and cached-prefix length."""
@@ -649,14 +703,20 @@ class PrefillExtendBackend(Budgeted):
         )
         return per_device * self.model.layout.data
 
-    def _plan(self, sorted_lens: np.ndarray, batch_rows):
+    def _plan(self, sorted_lens: np.ndarray, batch_rows, queries=None):
         """Batches over length-sorted items: (positions in sorted order, item-length bucket);
-        batch_rows(item_len) caps a batch's items."""
+        batch_rows(item_len) caps a batch's items, and with queries = (each item's query, cap)
+        a batch holds at most cap distinct queries."""
         start, n = 0, len(sorted_lens)
         while start < n:
             count = n - start
             item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
             cap = batch_rows(item_len)
+            if queries is not None:  # up to the first item of one query too many
+                own, most = queries
+                _, first = np.unique(own[start : start + min(count, cap)], return_index=True)
+                if len(first) > most:
+                    cap = min(cap, int(np.sort(first)[most]))
             if count > cap:  # shrinking the batch can only shorten its bucket: cap still holds
                 count = cap
                 item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
@@ -672,6 +732,108 @@ class PrefillExtendBackend(Budgeted):
             self.model.config, item_len, self.budget, MAX_BATCH_TOKENS, row_prefix_len
         )
         return per_device * self.model.layout.data
+
+    def shapes(self, limits: ShapeLimits) -> set[Shape]:
+        """Every (step, shape) this backend can compile for requests within `limits`, on its
+        budgets as they are: the shape set (docs/serving.md, "Compiled shapes").
+
+        prefill (R, P_in, size): a chunk of R tokens into K/V of `size` = bucket_prefix(query)
+        positions, continuing the empty prefix (P_in 16) or its own (P_in = size).
+        prefill_rows (rows, R, 16, size), with stack (rows, 16) of its empty prefixes and
+        unstack (rows, size): fresh one-chunk queries of one size together.
+        resize (P_in, size): a cached prefix continued by a query of another size, or padded to
+        a mixed step's size. score_items (rows, L, P, C) and score_mixed_items
+        (rows, L, mixed_queries(rows, P), P, C) with its stack: rows a power
+        of two within the step's budget, L an item bucket, P a query's size, C a label bucket.
+        """
+        Q, chunk, layout = limits.query_tokens, self.prefill_chunk, self.model.layout
+        invariant = self.batch_invariant
+        sizes = sorted({bucket_prefix(n) for n in range(Q + 1)})
+        out: set[Shape] = set()
+        for size in sizes:
+            low, high = (1 if size == MIN_TOKEN_BUCKET else size // 2 + 1), min(Q, size)
+            for n in range(low, high + 1):  # a query's first chunk, on the empty prefix
+                out.add(("prefill", (bucket_tokens(min(n, chunk)), MIN_TOKEN_BUCKET, size)))
+            # Later chunks of a long query; without batch invariance, any rest after a cache hit.
+            longest_rest = high - chunk if invariant else high - 1
+            for m in range(1, min(chunk, longest_rest) + 1):
+                out.add(("prefill", (bucket_tokens(m), size, size)))
+            if invariant:
+                continue
+            for n in range(low, min(high, chunk) + 1):
+                length = bucket_tokens(n)
+                cap = self.prefill_batch_rows(length, MIN_TOKEN_BUCKET)
+                for rows in row_buckets(2, cap, layout.data):
+                    out.add(("prefill_rows", (rows, length, MIN_TOKEN_BUCKET, size)))
+                    out.add(("stack", (rows, MIN_TOKEN_BUCKET)))
+                    out.add(("unstack", (rows, size)))
+            out.update(("resize", (other, size)) for other in sizes if other != size)
+        widths = limits.label_widths()
+        for item_len in sorted({bucket_item_tokens(n) for n in range(limits.item_tokens + 1)}):
+            if invariant:
+                row_counts = [self.invariant_rows(item_len)]
+            else:
+                row_counts = row_buckets(1, self.batch_rows(item_len), layout.data)
+            for rows, size, width in itertools.product(row_counts, sizes, widths):
+                out.add(("score_items", (rows, item_len, size, width)))
+                if not invariant and rows >= 2:
+                    count = self.mixed_queries(rows, size)
+                    out.add(("score_mixed_items", (rows, item_len, count, size, width)))
+                    out.add(("stack", (count, size)))
+        return out
+
+    def warm(self, shape: Shape) -> None:
+        """Compile one shape of `shapes`: run its jitted function once on zeros of that shape."""
+        name, dims = shape
+        params, config, layout = self.model.params, self.model.config, self.model.layout
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        if name == "prefill":
+            length, base_len, size = dims
+            prefix = self._zero_prefix(base_len)
+            self.prefill(params, prefix, zeros((1, length)), np.int32(1), config=config, size=size)
+        elif name == "prefill_rows":
+            rows, length, base_len, size = dims
+            self.prefill_rows(
+                params,
+                layout.put_prefix(self._zero_prefix(base_len, rows), stacked=True),
+                *map(layout.put_rows, (zeros((rows, length)), zeros(rows))),
+                config=config,
+                size=size,
+            )
+        elif name == "stack":
+            count, size = dims
+            stack([self._zero_prefix(size)] * count, count=count)
+        elif name == "unstack":
+            rows, size = dims
+            _unstack(self._zero_prefix(size, rows), np.int32(0), size=size)
+        elif name == "resize":
+            base_len, size = dims
+            resize(self._zero_prefix(base_len), size=size)
+        elif name == "score_items":
+            rows, item_len, size, width = dims
+            inputs = (zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
+            self.score_items(params, self._zero_prefix(size), *map(layout.put_rows, inputs), config)
+        elif name == "score_mixed_items":
+            rows, item_len, count, size, width = dims
+            stacked = layout.put_prefix(self._zero_prefix(size, count), stacked=True)
+            inputs = (zeros(rows), zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
+            self.score_mixed_items(params, stacked, *map(layout.put_rows, inputs), config)
+        else:
+            raise ValueError(f"prefill_extend has no step {name!r}")
+
+    def _zero_prefix(self, size: int, count: int | None = None) -> Prefix:
+        """A prefix of zeros holding `size` positions, or `count` of them stacked, placed as the
+        steps' own are (uncommitted on one device), without compiling anything."""
+        config, dtype = self.model.config, self.model.dtype
+        L, K, H, D = config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size
+        stacked = () if count is None else (count,)
+        prefix = Prefix(
+            k=jax.device_put(np.zeros((L, *stacked, K, H, size), dtype)),
+            v=jax.device_put(np.zeros((L, *stacked, K, size, H), dtype)),
+            length=jax.device_put(np.zeros(stacked, np.int32)),
+            last_hidden=jax.device_put(np.zeros((*stacked, D), np.float32)),
+        )
+        return self.model.layout.put_prefix(prefix, stacked=count is not None)
 
 
 def _distinct_queries(batches: Sequence[ScoreBatch]) -> tuple[list[np.ndarray], list[int]]:

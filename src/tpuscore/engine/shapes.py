@@ -1,0 +1,119 @@
+"""The shape set: every device-step shape a scorer can compile for requests within its limits.
+
+XLA compiles once per input shape. Each backend pads every step onto a small lattice of its own
+(`shapes(limits)` beside `schedule`; docs/serving.md, "Compiled shapes"), so the executables a
+scorer can ever build are a finite list, known without compiling: `shape_set` lists it for the
+backends a call may run ("auto": every candidate auto may pick here), and `warm_all` compiles
+exactly that list, each shape by running its jitted step once on zeros. After it, no request
+within the limits compiles anything.
+
+The limits: query tokens, item tokens (each default the model's max_position_embeddings) and
+labels per request (default 16, one label bucket; a classifier's class count if larger). Items
+per step come from each backend's budget and options, and requests per call are free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import jax
+
+from tpuscore.api.errors import ValidationError
+from tpuscore.backends import registry
+from tpuscore.backends.buckets import MIN_LABEL_BUCKET
+from tpuscore.backends.contract import ShapeLimits
+from tpuscore.backends.pool import BackendPool
+from tpuscore.engine import planning
+from tpuscore.engine.warmup import Warmed
+from tpuscore.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+LIMIT_FIELDS = ("query_tokens", "item_tokens", "labels")
+Limits = ShapeLimits | Mapping[str, int]  # a mapping: some of the fields, the rest defaults
+
+
+@attrs.frozen(order=True)
+class StepShape:
+    """One executable: `backend`'s jitted `step` at padded input `shape` (as `StepStats.shapes`
+    records a step)."""
+
+    backend: str
+    step: str
+    shape: tuple[int, ...]
+
+
+def limits_for(config: ModelConfig, limits: Limits | None) -> ShapeLimits:
+    """The limits a shape set covers: `limits` (a `ShapeLimits`, or a mapping of some of its
+    fields), the rest the model's defaults (module doc). ValidationError("invalid_limits")
+    names a bad field."""
+    if isinstance(limits, ShapeLimits):
+        limits = attrs.asdict(limits)
+    limits = dict(limits or {})
+    unknown = sorted(set(limits) - set(LIMIT_FIELDS), key=str)
+    if unknown:
+        raise ValidationError(
+            "invalid_limits",
+            f"unknown limit(s) {unknown}; limits are {', '.join(LIMIT_FIELDS)}",
+            f"limits.{unknown[0]}",
+        )
+    defaults = {
+        "query_tokens": config.max_position_embeddings,
+        "item_tokens": config.max_position_embeddings,
+        "labels": max(MIN_LABEL_BUCKET, config.num_labels or 0),
+    }
+    values = {**defaults, **{k: v for k, v in limits.items() if v is not None}}
+    for name, value in values.items():
+        minimum = 1 if name == "labels" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValidationError(
+                "invalid_limits", f"{name} must be an int >= {minimum}, got {value!r}", name
+            )
+    return ShapeLimits(**values)
+
+
+def backends_for(name: str, selector: planning.Selector) -> list[str]:
+    """The backends a call on `name` may run: itself, or for "auto" what the selector may pick
+    (`FixedRule`: prefill_extend and serial; otherwise every candidate compiled here)."""
+    if name != registry.AUTO:
+        return [name]
+    if isinstance(selector, planning.FixedRule):
+        return ["prefill_extend", "serial"]
+    platform = jax.default_backend()
+    return [
+        n for n in registry.candidates() if registry.registration(n).capabilities.compiled(platform)
+    ]
+
+
+def shape_set(pool: BackendPool, names: Sequence[str], limits: ShapeLimits) -> list[StepShape]:
+    """The shapes of these backends for requests within `limits`, sorted. A backend without
+    `shapes` (reference: numpy, no compiled step) has none."""
+    out = set()
+    for name in names:
+        backend = pool.get(name)
+        if hasattr(backend, "shapes"):
+            out.update(StepShape(name, step, shape) for step, shape in backend.shapes(limits))
+    return sorted(out)
+
+
+def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
+    """Compile every shape, each by running its step once on zeros; one `Warmed` per backend
+    (geometry None, steps: its shapes), logged."""
+    by_backend: dict[str, list[StepShape]] = {}
+    for shape in shapes:
+        by_backend.setdefault(shape.backend, []).append(shape)
+    warmed = []
+    for name, own in by_backend.items():
+        backend: Any = pool.get(name)
+        start = time.perf_counter()
+        for shape in own:
+            backend.warm((shape.step, shape.shape))
+        jax.effects_barrier()
+        seconds = time.perf_counter() - start
+        logger.info("warmed %s: %d shapes in %.1f s", name, len(own), seconds)
+        warmed.append(Warmed(None, name, len(own), seconds))
+    return warmed

@@ -1,0 +1,164 @@
+"""The finite shape set (issue 25): `Scorer.shapes(limits)` lists every step shape a scorer can
+compile for requests within its limits, `warmup(all=True)` compiles exactly those, and after it
+no request within the limits compiles anything.
+
+One tiny checkpoint with small limits and small steps (batch_items, activation budgets), so its
+set is tens of shapes: the same lattice as the default model's, in fewer buckets.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import compile_events, random_tokens, seeded_rng
+from tpuscore import Scorer, ValidationError
+from tpuscore.backends.contract import ShapeLimits, make_batch
+
+CASE = "qwen3_qknorm"
+LIMITS = {"query_tokens": 30, "item_tokens": 8, "labels": 2}
+BACKENDS = ("prefill_extend", "packed_dense", "serial")
+# Small steps: a few row buckets per length, queries prefilled in chunks of 16, so the set is
+# about 40 shapes and requests span several steps of each backend.
+OPTIONS = {
+    "prefill_extend": {"batch_items": 4, "prefill_chunk": 16, "activation_bytes": 100_000},
+    "packed_dense": {"activation_bytes": 100_000},
+    "serial": {"activation_bytes": 100_000},
+}
+
+
+@pytest.fixture(scope="module")
+def warmed(scorers):
+    """A scorer on small steps, its shape set and the compilations `warmup(all=True)` made."""
+    base = scorers(CASE)
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=OPTIONS)
+    shapes = scorer.shapes(LIMITS, backends=BACKENDS)
+    compiles = compile_events()  # clears JAX's caches: every shape compiles afresh
+    warmed = scorer.warmup(all=True, limits=LIMITS, backends=BACKENDS)
+    return scorer, shapes, len(compiles), warmed, compiles
+
+
+def random_request(rng, vocab: int, shared: list[int]) -> dict:
+    """A request within LIMITS: some queries continue a shared prefix (partial cache hits), some
+    repeat it exactly, items of 0..8 tokens (empty ones too), 1..3 labels."""
+    kind = rng.integers(0, 3)
+    if kind == 0:  # at least one token: an empty query with an empty item has nothing to score
+        query = random_tokens(rng, int(rng.integers(1, LIMITS["query_tokens"] + 1)), vocab)
+    elif kind == 1:
+        query = shared[: int(rng.integers(1, len(shared) + 1))]
+    else:
+        extra = int(rng.integers(1, LIMITS["query_tokens"] - len(shared) + 1))
+        query = shared + random_tokens(rng, extra, vocab)
+    items = [
+        random_tokens(rng, int(rng.integers(0, LIMITS["item_tokens"] + 1)), vocab)
+        for _ in range(int(rng.integers(1, 24)))
+    ]
+    labels = rng.choice(vocab, size=int(rng.integers(1, LIMITS["labels"] + 1)), replace=False)
+    return {"query": query, "items": items, "label_token_ids": labels.tolist()}
+
+
+@pytest.mark.slow
+def test_warmup_all_compiles_exactly_the_shape_set(warmed):
+    scorer, shapes, compiled, records, _ = warmed
+    assert compiled == len(shapes)  # one executable per listed shape, none besides
+    assert {w.backend: w.steps for w in records} == dict(
+        collections.Counter(s.backend for s in shapes)
+    )
+    steps = {(s.backend, s.step) for s in shapes}
+    for step in ("prefill", "prefill_rows", "resize", "stack", "unstack", "score_items"):
+        assert ("prefill_extend", step) in steps
+    assert ("prefill_extend", "score_mixed_items") in steps
+    assert len(shapes) < 60, collections.Counter((s.backend, s.step) for s in shapes)
+    # Computable without compiling, and the same again.
+    assert scorer.shapes(LIMITS, backends=BACKENDS) == shapes
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_warmup_all(warmed):
+    """A few hundred random requests within the limits, several per call (different queries
+    sharing steps), through each backend: not one compilation."""
+    scorer, _, _, _, compiles = warmed
+    rng = seeded_rng("test_shapes.after_warmup")
+    vocab = scorer.config.vocab_size
+    shared = random_tokens(rng, 12, vocab)
+    before, sent = len(compiles), 0
+    for call in range(60):
+        requests = [random_request(rng, vocab, shared) for _ in range(int(rng.integers(1, 7)))]
+        backend = BACKENDS[call % len(BACKENDS)]
+        results = scorer.score_batch(requests, backend=backend)
+        assert len(results) == len(requests)
+        sent += len(requests)
+        assert len(compiles) == before, f"call {call} on {backend} compiled"
+    assert sent >= 150
+
+
+def test_auto_covers_its_candidates(warmed):
+    scorer = warmed[0]
+    auto = {s.backend for s in scorer.shapes(LIMITS, backends=["auto"])}
+    assert auto == {"prefill_extend", "packed_dense", "serial"}  # packed_segment: interpreted here
+    assert scorer.shapes(LIMITS, backends=["reference"]) == []  # numpy: nothing compiles
+
+
+def test_limits_are_checked(warmed):
+    scorer = warmed[0]
+    with pytest.raises(ValidationError) as e:
+        scorer.shapes({"query_tokens": -1})
+    assert e.value.code == "invalid_limits" and e.value.param == "query_tokens"
+    with pytest.raises(ValidationError) as e:
+        scorer.shapes({"items": 3})
+    assert e.value.code == "invalid_limits"
+    default = scorer.shapes(backends=["serial"])  # the model's context length
+    assert len(default) > len(scorer.shapes(LIMITS, backends=["serial"]))
+
+
+geometry = st.tuples(
+    st.integers(1, LIMITS["query_tokens"]),  # query tokens
+    st.lists(st.integers(0, LIMITS["item_tokens"]), min_size=1, max_size=40),  # item tokens
+    st.integers(1, LIMITS["labels"]),  # labels
+)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(groups=st.lists(geometry, min_size=1, max_size=6), seed=st.integers(0, 2**31))
+def test_every_scheduled_shape_is_in_the_set(warmed, groups, seed):
+    """Whatever groups a call holds, every step each backend runs has a listed shape."""
+    scorer, shapes = warmed[0], warmed[1]
+    listed = {(s.backend, s.step, s.shape) for s in shapes}
+    rng = np.random.default_rng(seed)
+    vocab = scorer.config.vocab_size
+    batches = [
+        make_batch(
+            random_tokens(rng, q, vocab),
+            [random_tokens(rng, n, vocab) for n in items],
+            list(range(1, labels + 1)),
+            False,
+        )
+        for q, items, labels in groups
+    ]
+    for name in BACKENDS:
+        backend = scorer.get_backend(name)
+        for output in backend.score_groups(batches):
+            for step, shape in output.stats.shapes:
+                assert (name, step, shape) in listed
+
+
+def test_limits_shrink_with_the_lattice(warmed):
+    """Each limit is a dimension of the lattice: lowering one never adds a shape."""
+    scorer, shapes = warmed[0], warmed[1]
+    smaller = ShapeLimits(query_tokens=16, item_tokens=4, labels=1)
+    fewer = scorer.shapes(smaller, backends=BACKENDS)
+    assert set(fewer) < set(shapes)
+
+
+def test_serve_warmup_limits_parse():
+    from tpuscore.cli.commands import InputError, parse_limits
+
+    assert parse_limits("query_tokens=512, labels=2") == {"query_tokens": 512, "labels": 2}
+    assert parse_limits(None) == {}
+    with pytest.raises(InputError):
+        parse_limits("query_tokens=lots")
