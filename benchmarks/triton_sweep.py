@@ -33,8 +33,9 @@ from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
 from tpuscore.kernels.segment.mask import segment_attention_reference
 
 HEADS = {64: (9, 3), 128: (16, 8)}  # query, kv heads: SmolLM2-135M's and Qwen3-0.6B's
-TILES = (16, 32, 64, 128)
-WARPS, STAGES = (2, 4, 8), (1, 2, 3)
+# (block sizes, warps, stages) swept; --smoke: a tiny layout and two tile sizes.
+FULL = ((16, 32, 64, 128), (2, 4, 8), (1, 2, 3))
+SMOKE = ((16, 32), (4,), (2,))
 SMOKE_LAYOUTS = {"smoke": (20, 4, 5)}
 
 
@@ -70,9 +71,10 @@ def score(blocks, layouts, head_dim, dtype, args):
     return math.exp(sum(map(math.log, times)) / len(times))
 
 
-def sweep(head_dim, dtype, layouts, args, deadline):
-    """[(ms, GpuBlockSizes)] fastest first."""
-    first = [GpuBlockSizes(q, kv, 4, 2) for q, kv in itertools.product(TILES, TILES)]
+def sweep(head_dim, dtype, layouts, grid, args, deadline):
+    """[(ms, GpuBlockSizes)] fastest first, over grid = (tiles, warps, stages)."""
+    tiles, warps_swept, stages_swept = grid
+    first = [GpuBlockSizes(q, kv, 4, 2) for q, kv in itertools.product(tiles, tiles)]
     results = []
     for blocks in first:
         if time.monotonic() > deadline:
@@ -82,7 +84,7 @@ def sweep(head_dim, dtype, layouts, args, deadline):
             results.append((ms, blocks))
     results.sort(key=lambda r: r[0])
     shapes = [(b.block_q, b.block_kv) for _, b in results[:3]]
-    for (bq, bkv), warps, stages in itertools.product(shapes, WARPS, STAGES):
+    for (bq, bkv), warps, stages in itertools.product(shapes, warps_swept, stages_swept):
         if (warps, stages) == (4, 2) or time.monotonic() > deadline:
             continue
         blocks = GpuBlockSizes(bq, bkv, warps, stages)
@@ -103,10 +105,7 @@ def main(argv=None):
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--smoke", action="store_true", help="one tiny layout, two tile sizes")
     args = p.parse_args(argv)
-    if args.smoke:
-        global TILES, WARPS, STAGES
-        TILES, WARPS, STAGES = (16, 32), (4,), (2,)
-    layouts = SMOKE_LAYOUTS if args.smoke else LAYOUTS
+    grid, layouts = (SMOKE, SMOKE_LAYOUTS) if args.smoke else (FULL, LAYOUTS)
     kind = jax.devices()[0].device_kind
     print(f"command: python {' '.join(sys.argv)}; jax {jax.__version__}; device {kind}\n")
     deadline = time.monotonic() + args.budget_s
@@ -114,7 +113,7 @@ def main(argv=None):
     for head_dim, dtype in itertools.product(
         map(int, args.head_dims.split(",")), args.dtypes.split(",")
     ):
-        results = sweep(head_dim, dtype, layouts, args, deadline)
+        results = sweep(head_dim, dtype, layouts, grid, args, deadline)
         key = gpu.tiles_key(head_dim, dtype)
         everything[key] = [dict(ms=ms, **vars(b)) for ms, b in results]
         print(f"## head dim {head_dim}, {dtype}: {len(results)} configurations ran\n")
