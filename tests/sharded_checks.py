@@ -95,6 +95,37 @@ def test_every_backend_sharded_equals_unsharded(shape, params, unsharded, reques
         assert_same_scores(scorer, unsharded, requests, backend)
 
 
+def test_a_warmed_mesh_compiles_nothing_more(params, requests, rng):
+    """The shape set on a mesh (rows are multiples of its data axis): `warmup(all=True)` compiles
+    exactly the listed shapes, then requests within the limits compile nothing. jit keys an
+    executable by its inputs' shardings as well as shapes: every prefix a step takes must be
+    placed as warmup places its zeros."""
+    from helpers import compile_events
+
+    limits = {"query_tokens": 16, "item_tokens": 4, "labels": 3}
+    backends = ["prefill_extend", "packed_dense"]
+    options = {name: {"activation_bytes": 1 << 20} for name in backends}
+    scorer = Scorer(
+        CONFIG, params, None, dtype="float32", mesh=mesh_of(2, 4), backend_options=options
+    )
+    shapes = scorer.shapes(limits, backends=backends)
+    assert all(s.shape[0] % 2 == 0 for s in shapes if s.step in ("score_packed", "score_items"))
+    compiles = compile_events()
+    scorer.warmup(all=True, limits=limits, backends=backends)
+    assert len(compiles) == len(shapes)
+    for call in range(8):
+        extra = [
+            {
+                "query": rng.integers(1, CONFIG.vocab_size, int(rng.integers(1, 17))).tolist(),
+                "items": [rng.integers(1, CONFIG.vocab_size, int(rng.integers(0, 5))).tolist()]
+                * int(rng.integers(1, 9)),
+                "label_token_ids": [5, 7, 11][: int(rng.integers(1, 4))],
+            }
+        ]
+        scorer.score_batch(requests + extra, backend=backends[call % 2])
+    assert len(compiles) == len(shapes), "a request within the limits compiled on the mesh"
+
+
 def test_weights_and_cached_kv_follow_the_model_axis(params, requests):
     mesh = mesh_of(2, 4)
     scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh)

@@ -312,14 +312,7 @@ class PrefillExtendBackend(Budgeted):
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
         self.prefill_chunk = options.prefill_chunk or 512
         self.batch_invariant = options.batch_invariant
-        config = model.config
-        L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
-        self._empty = Prefix(
-            k=jnp.zeros((L, K, H, MIN_TOKEN_BUCKET), model.dtype),
-            v=jnp.zeros((L, K, MIN_TOKEN_BUCKET, H), model.dtype),
-            length=jnp.int32(0),
-            last_hidden=jnp.zeros(config.hidden_size, jnp.float32),
-        )
+        self._empty = self._zero_prefix(MIN_TOKEN_BUCKET)
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         return self.score_groups([batch])[0]
@@ -637,21 +630,25 @@ class PrefillExtendBackend(Budgeted):
         Each step is counted in `out` (if given), its tokens charged to the query's owner
         group."""
         prefixes, current = list(wave.ready), {}
+        # Every prefix a step takes is placed as `warm` places its zeros: on a mesh, jit keys an
+        # executable by its inputs' shardings too, so an unplaced one would compile again.
+        place = self.model.layout.put_prefix
         for i, (base, start) in wave.reused.items():
             n = len(wave.queries[i])
             logger.debug("prefilling %d of %d query tokens (%d cached)", n - start, n, start)
             if base is None:
                 current[i] = self._empty
             else:
-                current[i] = self._resized(base._replace(length=np.int32(start)), bucket_prefix(n))
+                resized = self._resized(base._replace(length=np.int32(start)), bucket_prefix(n))
+                current[i] = place(resized)
         for step in wave.prefill:
             advanced = self._prefill_step(wave.queries, step, current, out, owners)
             for chunk, prefix in zip(step.chunks, advanced, strict=True):
                 i = chunk.query
                 if chunk.stop < len(wave.queries[i]):
-                    current[i] = prefix
+                    current[i] = place(prefix)
                 else:
-                    prefixes[i] = prefix = self.model.layout.put_prefix(prefix)
+                    prefixes[i] = prefix = place(prefix)
                     nbytes = sum(a.nbytes for a in (prefix.k, prefix.v, prefix.last_hidden))
                     self.cache.put(wave.queries[i], prefix, nbytes)
         return prefixes
@@ -694,6 +691,7 @@ class PrefillExtendBackend(Budgeted):
             config=self.model.config,
             size=step.size,
         )
+        stacked = layout.put_prefix(stacked, stacked=True)  # as `warm` places it (on a mesh)
         return [_unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]
 
     def prefill_batch_rows(self, length: int, base_len: int) -> int:
@@ -800,9 +798,9 @@ class PrefillExtendBackend(Budgeted):
                 config=config,
                 size=size,
             )
-        elif name == "stack":
+        elif name == "stack":  # and placed, as the steps do
             count, size = dims
-            stack([self._zero_prefix(size)] * count, count=count)
+            layout.put_prefix(stack([self._zero_prefix(size)] * count, count=count), stacked=True)
         elif name == "unstack":
             rows, size = dims
             _unstack(self._zero_prefix(size, rows), np.int32(0), size=size)
@@ -828,11 +826,14 @@ class PrefillExtendBackend(Budgeted):
         L, K, H, D = config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size
         stacked = () if count is None else (count,)
         prefix = Prefix(
-            k=jax.device_put(np.zeros((L, *stacked, K, H, size), dtype)),
-            v=jax.device_put(np.zeros((L, *stacked, K, size, H), dtype)),
-            length=jax.device_put(np.zeros(stacked, np.int32)),
-            last_hidden=jax.device_put(np.zeros((*stacked, D), np.float32)),
+            k=np.zeros((L, *stacked, K, H, size), dtype),
+            v=np.zeros((L, *stacked, K, size, H), dtype),
+            length=np.zeros(stacked, np.int32),
+            last_hidden=np.zeros((*stacked, D), np.float32),
         )
+        if self.model.layout.mesh is None:
+            return jax.tree.map(jax.device_put, prefix)
+        # Host arrays go straight to their shards; resharding a device array would compile.
         return self.model.layout.put_prefix(prefix, stacked=count is not None)
 
 
