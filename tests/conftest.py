@@ -1,14 +1,25 @@
 import os
-
-import numpy as np
-import pytest
-
-from helpers import SEED_ENV, run_seed, seeded_rng
-from tpuscore import DefaultModelMissingError, Scorer
-from tpuscore.models.loaders.default import default_model_path as find_default_model
+import tempfile
+import zlib
 
 # The `tpuscore` command caches compiles in the user cache directory by default: not from tests.
 os.environ.setdefault("TPUSCORE_COMPILATION_CACHE", "off")
+# One JAX compilation cache per test run, fresh and shared by the xdist workers and the
+# subprocesses tests start (they inherit the environment): an executable another test already
+# compiled loads in milliseconds instead of compiling again. Set before JAX is imported, which
+# reads these variables then. helpers.compile_events counts a load as an executable, as it
+# counts a compile, so compile-counting tests see the same numbers.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuscore-tests-jax-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from helpers import SEED_ENV, run_seed, seeded_rng  # noqa: E402
+from tpuscore import DefaultModelMissingError, Scorer  # noqa: E402
+from tpuscore.models.loaders.default import default_model_path as find_default_model  # noqa: E402
 
 FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
 
@@ -23,6 +34,21 @@ def pytest_configure(config):
         run_seed()
     except ValueError as bad:
         raise pytest.UsageError(str(bad)) from None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick loop (`-m "not slow"`) runs one case of each parametrized test, the one its
+    name picks (so families and backends all get a turn across tests); its other cases are
+    marked slow. CI runs every case."""
+    cases: dict[tuple, list] = {}
+    for item in items:
+        if hasattr(item, "callspec"):
+            cases.setdefault((item.path, item.originalname), []).append(item)
+    for (_, name), group in cases.items():
+        quick = zlib.crc32(name.encode()) % len(group)
+        for index, item in enumerate(group):
+            if index != quick:
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(optionalhook=True)

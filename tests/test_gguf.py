@@ -41,6 +41,7 @@ TEXTS = [
 ]
 
 
+@pytest.mark.slow  # transformers converts the GGUF's tokenizer: about 20 s
 @pytest.mark.default_model
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
@@ -61,6 +62,7 @@ def test_smollm2_chat_tokens_stay_whole(smollm2):
     )
 
 
+@pytest.mark.slow  # transformers dequantizes the whole GGUF: about 25 s
 @pytest.mark.default_model
 def test_smollm2_tensors_match_transformers(smollm2, hf_default_model):
     hf = hf_default_model

@@ -49,6 +49,7 @@ def random_qkv(rng, batch, heads, kv_heads, tokens, head_dim, dtype=jnp.float32)
     )
 
 
+@pytest.mark.slow  # interpreted kernels on 8 random geometries: 10-20 s
 @settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

@@ -23,6 +23,7 @@ from tpuscore.kernels.segment.mask import segment_attention_reference, segment_m
 from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles
 
 
+@pytest.mark.slow  # interpreted kernels on 4 random geometries: 10-20 s
 @settings(max_examples=4, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

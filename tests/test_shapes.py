@@ -30,11 +30,17 @@ OPTIONS = {
 
 
 @pytest.fixture(scope="module")
-def warmed(scorers):
-    """A scorer on small steps, its shape set and the compilations `warmup(all=True)` made."""
+def small_steps(scorers):
+    """A scorer on small steps and its shape set, listed without compiling anything."""
     base = scorers(CASE)
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=OPTIONS)
-    shapes = scorer.shapes(LIMITS, backends=BACKENDS)
+    return scorer, scorer.shapes(LIMITS, backends=BACKENDS)
+
+
+@pytest.fixture(scope="module")
+def warmed(small_steps):
+    """The scorer on small steps, its shape set and the compilations `warmup(all=True)` made."""
+    scorer, shapes = small_steps
     compiles = compile_events()  # clears JAX's caches: every shape compiles afresh
     warmed = scorer.warmup(all=True, limits=LIMITS, backends=BACKENDS)
     return scorer, shapes, len(compiles), warmed, compiles
@@ -94,15 +100,15 @@ def test_nothing_compiles_after_warmup_all(warmed):
     assert sent >= 150
 
 
-def test_auto_covers_its_candidates(warmed):
-    scorer = warmed[0]
+def test_auto_covers_its_candidates(small_steps):
+    scorer = small_steps[0]
     auto = {s.backend for s in scorer.shapes(LIMITS, backends=["auto"])}
     assert auto == {"prefill_extend", "packed_dense", "serial"}  # packed_segment: interpreted here
     assert scorer.shapes(LIMITS, backends=["reference"]) == []  # numpy: nothing compiles
 
 
-def test_limits_are_checked(warmed):
-    scorer = warmed[0]
+def test_limits_are_checked(small_steps):
+    scorer = small_steps[0]
     with pytest.raises(ValidationError) as e:
         scorer.shapes({"query_tokens": -1})
     assert e.value.code == "invalid_limits" and e.value.param == "query_tokens"
@@ -147,9 +153,9 @@ def test_every_scheduled_shape_is_in_the_set(warmed, groups, seed):
                 assert (name, step, shape) in listed
 
 
-def test_limits_shrink_with_the_lattice(warmed):
+def test_limits_shrink_with_the_lattice(small_steps):
     """Each limit is a dimension of the lattice: lowering one never adds a shape."""
-    scorer, shapes = warmed[0], warmed[1]
+    scorer, shapes = small_steps
     smaller = ShapeLimits(query_tokens=16, item_tokens=4, labels=1)
     fewer = scorer.shapes(smaller, backends=BACKENDS)
     assert set(fewer) < set(shapes)

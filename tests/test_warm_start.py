@@ -80,7 +80,8 @@ def test_warmup_checks_every_geometry_before_any_runs(scorers):
 
 @pytest.fixture
 def jax_cache_settings():
-    """Put JAX's persistent-cache settings back after a test that turns the cache on."""
+    """Start from JAX's default cache settings (no directory: conftest.py gives the run one) and
+    put the run's back after a test that turns the cache on."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
@@ -90,6 +91,8 @@ def jax_cache_settings():
         "jax_persistent_cache_min_entry_size_bytes",
     )
     before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax_cache.reset_cache()
     yield
     for name, value in before.items():
         jax.config.update(name, value)
