@@ -12,12 +12,29 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
+import attrs
 import numpy as np
 import tokenizers
 
 from tpuscore.api import tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import TRUNCATE_SIDES, LoglikelihoodRequest, ScoreOptions, ScoreRequest
+
+
+@attrs.frozen
+class ModelFacts:
+    """What validation needs to know of the model a request goes to.
+
+    num_classes > 0: the model has a classification head with that many classes; it takes no
+    labels and scores every class. pad_token_id: that model's padding token, which moves the
+    pooled token as transformers moves it (`_pooled`).
+    """
+
+    tokenizer: tokenizers.Tokenizer | None
+    vocab_size: int
+    max_sequence_length: int
+    num_classes: int = 0
+    pad_token_id: int | None = None
 
 
 def _is_token_list(value: Any) -> bool:
@@ -111,24 +128,10 @@ def _require(tokenizer: tokenizers.Tokenizer | None, param: str) -> tokenizers.T
     return tokenizer
 
 
-def validate(
-    query: Any,
-    items: Any,
-    options: ScoreOptions,
-    *,
-    tokenizer: tokenizers.Tokenizer | None,
-    vocab_size: int,
-    max_sequence_length: int,
-    num_classes: int = 0,
-    pad_token_id: int | None = None,
-) -> ScoreRequest:
-    """Check a `Scorer.score` call (its query, items and `ScoreOptions`) and turn it into token
-    ids.
-
-    num_classes > 0: the model has a classification head with that many classes; it takes no
-    labels and scores every class. pad_token_id: that model's padding token, which moves the
-    pooled token as transformers moves it (`_pooled`).
-    """
+def validate(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -> ScoreRequest:
+    """Check a `Scorer.score` call (its query, items and `ScoreOptions`) for `model` and turn it
+    into token ids."""
+    tokenizer, vocab_size, num_classes = model.tokenizer, model.vocab_size, model.num_classes
     _check_bool(options.apply_softmax, "apply_softmax")
     _check_bool(options.item_first, "item_first")
     max_item_tokens, truncate = options.max_item_tokens, options.truncate
@@ -173,17 +176,18 @@ def validate(
                 f"query and items[{i}] are both empty: there is no token to score after",
                 "items",
             )
-        if length > max_sequence_length:
+        if length > model.max_sequence_length:
             hint = "" if max_item_tokens is not None else "; max_item_tokens= truncates items"
             raise ValidationError(
                 "sequence_too_long",
                 f"query + items[{i}] is {length} tokens ({len(query_ids)} + {len(ids)}"
                 f"{f', with a {len(suffix_ids)}-token item_suffix' if suffix_ids else ''}); "
-                f"the model takes at most {max_sequence_length}{hint}",
+                f"the model takes at most {model.max_sequence_length}{hint}",
                 "items",
             )
-    if num_classes and pad_token_id is not None:
-        query_ids, item_ids = _pooled(query_ids, item_ids, pad_token_id, bool(options.item_first))
+    if num_classes and model.pad_token_id is not None:
+        item_first = bool(options.item_first)
+        query_ids, item_ids = _pooled(query_ids, item_ids, model.pad_token_id, item_first)
     return ScoreRequest(
         query_ids,
         item_ids,
@@ -353,13 +357,7 @@ def _item_suffix(
 
 
 def validate_loglikelihood(
-    context: Any,
-    continuations: Any,
-    *,
-    tokenizer: tokenizers.Tokenizer | None,
-    vocab_size: int,
-    max_sequence_length: int,
-    num_classes: int = 0,
+    context: Any, continuations: Any, model: ModelFacts
 ) -> LoglikelihoodRequest:
     """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
     (num_classes > 0) has no next-token distribution: `no_language_model_head`.
@@ -368,7 +366,7 @@ def validate_loglikelihood(
     every continuation, then the context is encoded with special tokens and each continuation
     without (`tpuscore.tasks.loglikelihood` says where this differs from the harness).
     """
-    if num_classes:
+    if model.num_classes:
         raise ValidationError(
             "no_language_model_head",
             "this model has a classification head, not an LM head: it has no token "
@@ -385,12 +383,12 @@ def validate_loglikelihood(
 
     if text:
         check_text(context, "context")
-        tok = _require(tokenizer, "context")
+        tok = _require(model.tokenizer, "context")
         stripped = context.rstrip()
         moved = context[len(stripped) :]
         context = tokenization.encode_query(tok, stripped)
         continuations = tokenization.encode_items(tok, [moved + c for c in continuations])
-    context_ids = _token_ids(context, "context", "invalid_query", vocab_size)
+    context_ids = _token_ids(context, "context", "invalid_query", model.vocab_size)
     if not context_ids:
         raise ValidationError(
             "empty_sequence",
@@ -402,17 +400,17 @@ def validate_loglikelihood(
     continuation_ids = []
     for i, continuation in enumerate(continuations):
         param = f"continuations[{i}]"
-        ids = _token_ids(continuation, param, "invalid_items", vocab_size)
+        ids = _token_ids(continuation, param, "invalid_items", model.vocab_size)
         if not ids:
             raise ValidationError(
                 "empty_continuation", f"{param} encodes to no token: nothing to score", param
             )
         length = len(context_ids) + len(ids)
-        if length > max_sequence_length:
+        if length > model.max_sequence_length:
             raise ValidationError(
                 "sequence_too_long",
                 f"context + {param} is {length} tokens ({len(context_ids)} + {len(ids)}); "
-                f"the model takes at most {max_sequence_length}",
+                f"the model takes at most {model.max_sequence_length}",
                 param,
             )
         continuation_ids.append(ids)

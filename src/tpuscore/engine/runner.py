@@ -88,15 +88,18 @@ class Engine:
 
     def prepare(self, query: Any, items: Any, options: ScoreOptions) -> ScoreRequest:
         """One request checked and tokenized (`validation.validate`); raises ValidationError."""
-        return validation.validate(
-            query,
-            items,
-            options,
-            tokenizer=self.tokenizer,
-            vocab_size=self.config.vocab_size,
-            max_sequence_length=self.config.max_position_embeddings,
-            num_classes=self.config.num_labels,
-            pad_token_id=self.config.pad_token_id,
+        return validation.validate(query, items, options, self.facts)
+
+    @property
+    def facts(self) -> validation.ModelFacts:
+        """What validation checks a request against: the tokenizer and the model's limits."""
+        config = self.config
+        return validation.ModelFacts(
+            self.tokenizer,
+            config.vocab_size,
+            config.max_position_embeddings,
+            config.num_labels,
+            config.pad_token_id,
         )
 
     def prepare_batch(self, requests: Sequence[Mapping[str, Any]]) -> list[ScoreRequest]:

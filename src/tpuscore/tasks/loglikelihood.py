@@ -107,14 +107,7 @@ def loglikelihood(
             f"cannot run it (use None, 'auto' or {BACKEND!r})",
             "backend",
         )
-    request = validation.validate_loglikelihood(
-        context,
-        continuations,
-        tokenizer=engine.tokenizer,
-        vocab_size=engine.config.vocab_size,
-        max_sequence_length=engine.config.max_position_embeddings,
-        num_classes=engine.config.num_labels,
-    )
+    request = validation.validate_loglikelihood(context, continuations, engine.facts)
     return run(engine.backends.get(BACKEND), request)
 
 

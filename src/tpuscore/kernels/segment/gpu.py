@@ -18,7 +18,7 @@ GQA: K and V tiles are loaded once per KV step and used for all G query heads of
 Triton wants power-of-two block shapes, so the head dim is zero-padded to one in the wrapper
 (zeros change no dot product) and G is unrolled instead of reshaped.
 
-Axis letters: B batch, T tokens, N query heads, K kv heads, G = N/K, H head dim.
+Axis letters as in `mask.py`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tpuscore.kernels.segment.mask import (
-    MASK_VALUE,
-    NO_WINDOW,
-    check_shapes,
-    first_position,
-    first_segment_key,
-    soft_cap,
-    visible_blocks,
-)
+from tpuscore.kernels.segment import mask
 
 
 def _power_of_two(n: int) -> bool:
@@ -102,7 +94,7 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     last_block = ((i + 1) * block_q - 1) // block_kv
     # Visible tiles (`mask.visible_blocks`): the query's [prefix_from, prefix_to), then
     # [segment_from, last_block]; never past the diagonal.
-    prefix_from, prefix_to, segment_lo, _ = visible_blocks(
+    prefix_from, prefix_to, segment_lo, _ = mask.visible_blocks(
         i, prefix_len, first_key, first_pos, window, block_q, block_kv
     )
     prefix_to = jnp.minimum(prefix_to, last_block + 1)
@@ -118,16 +110,16 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
         c = cols[None, :]
         in_prefix = (c < prefix_len) & (c > pos[:, None] - window)
         in_segment = (c >= seg_start[:, None]) & (c > rows[:, None] - window)
-        mask = (c <= rows[:, None]) & (in_prefix | in_segment)
+        visible = (c <= rows[:, None]) & (in_prefix | in_segment)
         out = []
         for q, (acc, m_prev, l_prev) in zip(qs, carry, strict=True):
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=precision, preferred_element_type=jnp.float32,
             )  # fmt: skip
-            s = jnp.where(mask, soft_cap(s * scale, softcap), MASK_VALUE)
+            s = jnp.where(visible, mask.soft_cap(s * scale, softcap), mask.MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+            p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
             alpha = jnp.exp(m_prev - m_next)
             pv = jax.lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -139,7 +131,7 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     init = tuple(
         (
             jnp.zeros((block_q, H), jnp.float32),
-            jnp.full((block_q,), MASK_VALUE, jnp.float32),
+            jnp.full((block_q,), mask.MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32),
         )
         for _ in range(G)
@@ -156,7 +148,7 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
 def _segment_attention_gpu(
     q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
 ):
-    check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    mask.check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # on CPU there is no Triton lowering
         interpret = jax.default_backend() != "gpu"
     B, N, T, H = q.shape
@@ -170,10 +162,10 @@ def _segment_attention_gpu(
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     seg_start = seg_start.astype(jnp.int32)
     prefix_len = prefix_len.astype(jnp.int32)
-    first_key = first_segment_key(seg_start, bq)  # [B, nq]
-    first_pos = first_position(prefix_len, seg_start, bq)  # [B, nq]
+    first_key = mask.first_segment_key(seg_start, bq)  # [B, nq]
+    first_pos = mask.first_position(prefix_len, seg_start, bq)  # [B, nq]
     prefix = jnp.broadcast_to(prefix_len[:, None], (B, nq))
-    window = jnp.full((B, nq), NO_WINDOW if window is None else window, jnp.int32)
+    window = jnp.full((B, nq), mask.NO_WINDOW if window is None else window, jnp.int32)
     meta = jnp.stack([prefix, first_key, first_pos, window], axis=-1)  # [B, nq, 4]
     scale = H**-0.5 if scale is None else scale
     kernel = functools.partial(_kernel, scale=scale, softcap=softcap, block_kv=bkv)

@@ -10,7 +10,7 @@ block index of the previous grid step for them (Pallas copies a block only when 
 changes); tiles wholly outside a window are skipped the same way.
 `mask.segment_attention_reference` is the same function in plain jnp: the test oracle.
 
-Axis letters: B batch, T tokens, N query heads, K kv heads, G = N/K, H head dim.
+Axis letters as in `mask.py`.
 """
 
 from __future__ import annotations
@@ -24,15 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tpuscore.kernels.segment.mask import (
-    MASK_VALUE,
-    NO_WINDOW,
-    check_shapes,
-    first_position,
-    first_segment_key,
-    soft_cap,
-    visible_blocks,
-)
+from tpuscore.kernels.segment import mask
 
 NUM_LANES = 128  # TPU vector lane count: the minor block dimension
 NUM_SUBLANES = 8  # the second-minor one
@@ -60,7 +52,7 @@ class BlockSizes:
 
 def _tile_visible(i, j, prefix_len, first_key, first_pos, window, block_q: int, block_kv: int):
     """Whether kv tile j holds any key that a row of query tile i may see."""
-    p_lo, p_hi, s_lo, s_hi = visible_blocks(
+    p_lo, p_hi, s_lo, s_hi = mask.visible_blocks(
         i, prefix_len, first_key, first_pos, window, block_q, block_kv
     )
     return (j <= s_hi) & (((p_lo <= j) & (j < p_hi)) | (s_lo <= j))
@@ -71,7 +63,7 @@ def _kv_index_map(
 ):
     """The kv block to fetch at grid step (i, j). A skipped tile fetches a block that a neighbouring
     step fetches anyway, so the pipeline issues no copy for it."""
-    p_lo, p_hi, s_lo, s_hi = visible_blocks(
+    p_lo, p_hi, s_lo, s_hi = mask.visible_blocks(
         i, prefix_len_ref[b], first_key_ref[b, i], first_pos_ref[b, i], window_ref[0],
         block_q, block_kv,
     )  # fmt: skip
@@ -102,7 +94,7 @@ def _kernel(
 
     @pl.when(j == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, mask.MASK_VALUE, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         if count_tiles:
@@ -120,7 +112,7 @@ def _kernel(
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
-        s = soft_cap(s * scale, softcap)  # [G * block_q, block_kv]
+        s = mask.soft_cap(s * scale, softcap)  # [G * block_q, block_kv]
         shape = (block_q, block_kv)
         rows = i * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         cols = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -128,13 +120,13 @@ def _kernel(
         pos = rows - jnp.maximum(seg_start - prefix_len, 0)
         in_prefix = (cols < prefix_len) & (cols > pos - window)
         in_segment = (cols >= seg_start) & (cols > rows - window)
-        mask = (cols <= rows) & (in_prefix | in_segment)
-        mask = jnp.tile(mask, (G, 1))
-        s = jnp.where(mask, s, MASK_VALUE)
+        visible = (cols <= rows) & (in_prefix | in_segment)
+        visible = jnp.tile(visible, (G, 1))
+        s = jnp.where(visible, s, mask.MASK_VALUE)
 
         m_prev, l_prev = m_ref[...], l_ref[...]  # [G * block_q, NUM_LANES], lane-broadcast
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+        p = jnp.where(visible, jnp.exp(s - m_next[:, :1]), 0.0)
         alpha = jnp.exp(m_prev - m_next)
         m_ref[...] = m_next
         l_ref[...] = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
@@ -159,7 +151,7 @@ def _kernel(
 def _segment_attention(
     q, k, v, prefix_len, seg_start, window, block_sizes, interpret, count_tiles, scale, softcap
 ):
-    check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
+    mask.check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
     if interpret is None:  # off TPU there is no Mosaic lowering
         interpret = jax.default_backend() != "tpu"
     B, N, T, H = q.shape
@@ -168,9 +160,9 @@ def _segment_attention(
     bq, bkv = block_sizes.block_q, block_sizes.block_kv
     prefix_len = prefix_len.astype(jnp.int32)
     seg_start = seg_start.astype(jnp.int32)
-    first_key = first_segment_key(seg_start, bq)
-    first_pos = first_position(prefix_len, seg_start, bq)
-    window = jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
+    first_key = mask.first_segment_key(seg_start, bq)
+    first_pos = mask.first_position(prefix_len, seg_start, bq)
+    window = jnp.full((1,), mask.NO_WINDOW if window is None else window, jnp.int32)
     lanes = jnp.broadcast_to(seg_start[:, :, None], (B, T, NUM_LANES))
 
     kv_map = functools.partial(_kv_index_map, block_q=bq, block_kv=bkv)
