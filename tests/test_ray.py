@@ -28,6 +28,7 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow  # a local Ray cluster: its worker processes start and import JAX
 def test_a_dataset_scores_as_the_in_process_scorer(cluster, checkpoint_dir, rng):
     from tpuscore.integrations.ray import score_dataset
 
