@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 import zlib
 
@@ -11,6 +13,7 @@ os.environ.setdefault("TPUSCORE_COMPILATION_CACHE", "off")
 # counts a compile, so compile-counting tests see the same numbers.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuscore-tests-jax-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
