@@ -52,7 +52,7 @@ EMAILS = [
 
 
 def text_requests() -> list[tuple[str, list[str], list[str]]]:
-    """(query, items, labels): the README's kinds of request, 54 scored items in all."""
+    """(query, items, labels): the README's kinds of request, 39 scored items in all."""
     liking = "A viewer's favourite movies are {}.\n"
     chat = "<|im_start|>user\nIs the following email spam? Answer yes or no.\n"
     turn = "<|im_end|>\n<|im_start|>assistant\n"
