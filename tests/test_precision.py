@@ -5,6 +5,7 @@ Every backend in mixed precision against the `reference` backend in float32, on 
 checkpoint drawn fresh each run (its seed from the run's), within the seeds' 0.02 gate.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from helpers import random_tokens, seeded_rng
 from hf_reference import make_checkpoint
 from tpuscore import Scorer
 from tpuscore.backends import registry
+from tpuscore.models import decoder
 from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
 
 GATE = 0.02  # the seeds' gate on a score's distance from float32
@@ -41,8 +43,9 @@ def test_mixed_stores_only_projection_and_mlp_weights_in_bfloat16(pair):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="issue 26 (open): mixed misses the 0.02 gate on some random checkpoints (0.039 seen, "
-    "TPUSCORE_TEST_SEED=2052208019) and on the default model (docs/runtime.md#precision)",
+    reason="issue 26 (open): mixed misses the 0.02 gate on some random checkpoints: "
+    "TPUSCORE_TEST_SEED=2052208019 gives 0.039 in every JAX backend (bfloat16 0.029), operand "
+    "rounding as on the default model (docs/runtime.md#precision)",
 )
 @pytest.mark.parametrize("backend", registry.available())
 def test_mixed_scores_within_gate_of_float32(pair, backend, rng):
@@ -57,6 +60,59 @@ def test_mixed_scores_within_gate_of_float32(pair, backend, rng):
     gap = float(np.max(np.abs(got - exact)))
     assert gap <= GATE, f"{backend}: mixed is {gap:.4f} from float32"
     assert gap > 0.0  # it did run in bfloat16
+
+
+@pytest.mark.parametrize(
+    ("spec", "x_shape", "w_shape"),
+    [
+        ("btd,dnh->btnh", (2, 37, 576), (576, 9, 64)),  # the default model's q projection
+        ("btnh,nhd->btd", (2, 37, 9, 64), (9, 64, 576)),  # its output projection
+        ("btf,fd->btd", (2, 37, 1536), (1536, 576)),  # its MLP down projection
+    ],
+)
+def test_bfloat16_matmuls_accumulate_in_float32(spec, x_shape, w_shape, rng):
+    """mixed's premise on this platform: a bfloat16 matmul rounds its operands, nothing else (its
+    products are summed in float32). Summing in bfloat16 would move every score far more."""
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(jnp.bfloat16)
+    got = np.asarray(jax.jit(decoder._dot, static_argnums=0)(spec, x, jnp.asarray(w)))
+    exact = np.einsum(spec, x.astype(jnp.bfloat16).astype(np.float64), w.astype(np.float64))
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+# Realistic requests to the default model (benchmarks/precision_gap.py scores 10 such requests).
+TEXT_REQUESTS = [
+    (
+        "Classify the sentiment of each movie review.\nReview:",
+        [" I loved every minute.\nSentiment:", " A waste of money.\nSentiment:"],
+        [" positive", " negative"],
+    ),
+    (
+        "Answer each statement with yes or no.\nStatement:",
+        [f" {fact}\nTrue? Answer:" for fact in ("Paris is in France.", "Spiders have six legs.")],
+        [" yes", " no"],
+    ),
+    (
+        "A viewer's favourite movies are The Matrix, Alien and Dune.\n",
+        ["Next movie: Arrival\nWould they like it?", "Next movie: Frozen\nWould they like it?"],
+        [" yes", " no"],
+    ),
+]
+# The default model's measured bound, not the seeds' gate: on benchmarks/precision_gap.py's 10 text
+# requests mixed is at most 0.078 from float32 (bfloat16 0.083); docs/runtime.md#precision says why
+# no bfloat16-operand mode gets within 0.02 of float32 on this model.
+DEFAULT_MODEL_BOUND = 0.1
+
+
+@pytest.mark.default_model
+def test_mixed_on_the_default_model_stays_within_its_measured_bound(default_model_path):
+    f32 = Scorer.from_pretrained(default_model_path, dtype="float32")
+    mixed = Scorer.from_pretrained(default_model_path, dtype="mixed")
+    for query, items, labels in TEXT_REQUESTS:
+        exact = f32.score(query, items, labels=labels, backend="serial").logprobs
+        got = mixed.score(query, items, labels=labels, backend="serial").logprobs
+        gap = float(np.max(np.abs(got - exact)))
+        assert 0.0 < gap <= DEFAULT_MODEL_BOUND, f"{query!r}: mixed is {gap:.4f} from float32"
 
 
 @pytest.mark.parametrize(
