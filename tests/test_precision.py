@@ -104,6 +104,7 @@ TEXT_REQUESTS = [
 DEFAULT_MODEL_BOUND = 0.1
 
 
+@pytest.mark.slow  # the default model loaded twice
 @pytest.mark.default_model
 def test_mixed_on_the_default_model_stays_within_its_measured_bound(default_model_path):
     f32 = Scorer.from_pretrained(default_model_path, dtype="float32")
