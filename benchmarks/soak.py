@@ -213,7 +213,7 @@ def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> 
     statuses: dict[str, int] = {}
     for a in answers:
         statuses[str(a[2])] = statuses.get(str(a[2]), 0) + 1
-    rss = [r for _, r in sampled["rss"]]
+    rss = np.array(sampled["rss"]).reshape(-1, 2)  # (seconds, MiB) every RSS_PERIOD_S
     return {
         "name": name,
         "requests": len(answers),
@@ -222,11 +222,24 @@ def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> 
         "p99_s": float(np.percentile(latencies, 99)) if len(latencies) else None,
         "statuses": statuses,
         "compiles": sampled["compiles"],
-        "rss_start_mib": rss[0] if rss else None,
-        "rss_end_mib": rss[-1] if rss else None,
+        "rss_start_mib": float(rss[0, 1]) if len(rss) else None,
+        "rss_end_mib": float(rss[-1, 1]) if len(rss) else None,
+        "rss_min_mib": float(rss[:, 1].min()) if len(rss) else None,
+        "rss_peak_mib": float(rss[:, 1].max()) if len(rss) else None,
+        "rss_slope_mib_per_min": rss_slope(rss),
         "answers": answers,
         "rss": sampled["rss"],
     }
+
+
+def rss_slope(rss: np.ndarray) -> float | None:
+    """MiB a minute that resident memory gains over the second half of a phase (a least-squares
+    line through its samples): near 0 once it plateaus. Memory swings by hundreds of MiB from
+    one sample to the next as batches allocate and free, so start and end alone say little."""
+    late = rss[rss[:, 0] >= rss[-1, 0] / 2] if len(rss) else rss
+    if len(late) < 2:
+        return None
+    return float(60 * np.polyfit(late[:, 0], late[:, 1], 1)[0])
 
 
 def serve(app) -> tuple[str, object, threading.Thread]:
@@ -371,15 +384,19 @@ def main(argv: list[str] | None = None) -> None:
     uv.should_exit = True
     thread.join(60)
 
-    print("\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles | RSS MiB |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles "
+        "| RSS MiB: start, min-peak, end | RSS MiB/min, 2nd half |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in results:
         p50 = f"{1e3 * r['p50_s']:.0f}" if r["p50_s"] is not None else "-"
         p99 = f"{1e3 * r['p99_s']:.0f}" if r["p99_s"] is not None else "-"
         print(
             f"| {r['name']} | {r['requests']} | {r['statuses']} | {r['requests_per_s']:.1f} | "
             f"{p50} | {p99} | {r['compiles']} | "
-            f"{r['rss_start_mib']:.0f} -> {r['rss_end_mib']:.0f} |"
+            f"{r['rss_start_mib']:.0f}, {r['rss_min_mib']:.0f}-{r['rss_peak_mib']:.0f}, "
+            f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} |"
         )
     ratio = results[1]["requests_per_s"] / max(results[0]["requests_per_s"], 1e-9)
     print(f"\nHTTP / in-process throughput: {ratio:.2f}")
