@@ -16,6 +16,7 @@ cost a few percent of the server's CPU; `--client httpx` drives it with httpx in
     python benchmarks/soak.py --json soak.json --plot docs/soak.png
     python benchmarks/soak.py --tiny --backend packed_dense \
         --warmup-all query_tokens=160,item_tokens=64,labels=2   # the shape set first
+    python benchmarks/soak.py --tiny --rounds 3 ...   # in-process, HTTP, in-process, ... x3
 """
 
 from __future__ import annotations
@@ -263,13 +264,18 @@ def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for r, color in zip(results, ("tab:blue", "tab:orange"), strict=False):
+    labelled = set()
+    for r in results:
+        kind = r["name"].split(",")[0].split(" (")[0]  # "in-process Batcher" or "HTTP"
+        color = "tab:orange" if kind == "HTTP" else "tab:blue"
+        label = None if kind in labelled else r["name"].split(", round")[0]
+        labelled.add(kind)
         answers = np.array([(a[0], a[1]) for a in r["answers"] if a[2] == 200])
         if len(answers):
-            top.scatter(answers[:, 0], answers[:, 1] * 1e3, s=3, color=color, label=r["name"])
+            top.scatter(answers[:, 0], answers[:, 1] * 1e3, s=3, color=color, label=label)
         rss = np.array(r["rss"])
         if len(rss):
-            bottom.plot(rss[:, 0], rss[:, 1], color=color, label=r["name"])
+            bottom.plot(rss[:, 0], rss[:, 1], color=color, label=label)
     top.set(ylabel="latency (ms)", yscale="log", title=title)
     bottom.set(xlabel="seconds into the phase", ylabel="resident memory (MiB)")
     top.legend(markerscale=4)
@@ -283,6 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 checkpoint")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the two phases this many times (in-process, HTTP, in-process, ...): on "
+        "a shared machine the load drifts, and alternating exposes both phases to it alike",
+    )
     p.add_argument("--requests", type=int, default=400, help="distinct requests in the list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure and answer here")
@@ -364,23 +377,27 @@ def main(argv: list[str] | None = None) -> None:
     took = time.monotonic() - start
     print(f"- warmup: {took:.0f} s of the traffic, {warm_compiles} compiles, {warm_rss:.0f} MiB")
 
-    results = []
-    sampler = Sampler(compiles).start()
-    answers = in_process(service, requests, args.clients, args.duration)
-    results.append(summary("in-process Batcher", answers, sampler.stop(), args.duration))
-
+    results, ratios = [], []
     url, uv, thread = serve(app)
     with tempfile.TemporaryDirectory() as tmp:
         requests_file, out = pathlib.Path(tmp, "requests.json"), pathlib.Path(tmp, "out.json")
         requests_file.write_text(json.dumps(requests))
-        sampler = Sampler(compiles).start()
-        command = [sys.executable, __file__, "--client", args.client]
-        command += ["--clients", str(args.clients)]
-        command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
-        subprocess.run([*command, str(out)], check=True)
-        answers = [tuple(a) for a in json.loads(out.read_text())]
-        name = f"HTTP (uvicorn, {args.client} clients)"
-        results.append(summary(name, answers, sampler.stop(), args.duration))
+        for round_ in range(1, args.rounds + 1):
+            suffix = f", round {round_}" if args.rounds > 1 else ""
+            sampler = Sampler(compiles).start()
+            answers = in_process(service, requests, args.clients, args.duration)
+            sampled = sampler.stop()
+            results.append(summary("in-process Batcher" + suffix, answers, sampled, args.duration))
+
+            sampler = Sampler(compiles).start()
+            command = [sys.executable, __file__, "--client", args.client]
+            command += ["--clients", str(args.clients)]
+            command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
+            subprocess.run([*command, str(out)], check=True)
+            answers = [tuple(a) for a in json.loads(out.read_text())]
+            name = f"HTTP (uvicorn, {args.client} clients){suffix}"
+            results.append(summary(name, answers, sampler.stop(), args.duration))
+            ratios.append(results[-1]["requests_per_s"] / max(results[-2]["requests_per_s"], 1e-9))
     uv.should_exit = True
     thread.join(60)
 
@@ -398,10 +415,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['rss_start_mib']:.0f}, {r['rss_min_mib']:.0f}-{r['rss_peak_mib']:.0f}, "
             f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} |"
         )
-    ratio = results[1]["requests_per_s"] / max(results[0]["requests_per_s"], 1e-9)
-    print(f"\nHTTP / in-process throughput: {ratio:.2f}")
+    each = ", ".join(f"{r:.2f}" for r in ratios)
+    print(f"\nHTTP / in-process throughput: {each} (median {float(np.median(ratios)):.2f})")
+    print(f"- load average at the end: {os.getloadavg()[0]:.2f}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"model": model, "results": results}))
+        figures = {"model": model, "results": results, "ratios": ratios}
+        pathlib.Path(args.json).write_text(json.dumps(figures))
     if args.plot:
         plot(results, args.plot, f"soak: {model}, {args.clients} clients")
 
