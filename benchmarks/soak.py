@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import socket
 import subprocess
 import sys
@@ -36,7 +37,6 @@ import time
 import urllib.parse
 
 import numpy as np
-from jax import monitoring
 
 HERE = pathlib.Path(__file__).resolve().parent
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -82,14 +82,23 @@ def make_requests(rng: np.random.Generator, n: int, vocab: int) -> list[tuple[st
     return requests
 
 
+def cpu_seconds(who: int) -> float:
+    """User plus system CPU seconds of this process (RUSAGE_SELF, every thread) or of its
+    finished children (RUSAGE_CHILDREN: the HTTP clients' subprocess)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Sampler:
-    """Resident memory every RSS_PERIOD_S, and the compile events, from start() to stop()."""
+    """Resident memory every RSS_PERIOD_S, the compile events and the CPU time spent, from
+    start() to stop()."""
 
     def __init__(self, compiles: list[float]):
         self.compiles, self.samples, self.stopping = compiles, [], threading.Event()
 
     def start(self):
         self.t0, self.compiles0 = time.monotonic(), len(self.compiles)
+        self.cpu0 = [cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)]
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
         return self
@@ -101,7 +110,12 @@ class Sampler:
     def stop(self) -> dict:
         self.stopping.set()
         self.thread.join()
-        return {"rss": self.samples, "compiles": len(self.compiles) - self.compiles0}
+        return {
+            "rss": self.samples,
+            "compiles": len(self.compiles) - self.compiles0,
+            "cpu_s": cpu_seconds(resource.RUSAGE_SELF) - self.cpu0[0],
+            "client_cpu_s": cpu_seconds(resource.RUSAGE_CHILDREN) - self.cpu0[1],
+        }
 
 
 def in_process(service, requests, clients: int, duration: float) -> list[tuple]:
@@ -223,6 +237,10 @@ def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> 
         "p99_s": float(np.percentile(latencies, 99)) if len(latencies) else None,
         "statuses": statuses,
         "compiles": sampled["compiles"],
+        # CPU per answer: the serving process (its in-process clients' threads included) and
+        # the HTTP clients' subprocess (0 for the in-process phase).
+        "cpu_ms_per_request": 1e3 * sampled["cpu_s"] / max(len(answers), 1),
+        "client_cpu_ms_per_request": 1e3 * sampled["client_cpu_s"] / max(len(answers), 1),
         "rss_start_mib": float(rss[0, 1]) if len(rss) else None,
         "rss_end_mib": float(rss[-1, 1]) if len(rss) else None,
         "rss_min_mib": float(rss[:, 1].min()) if len(rss) else None,
@@ -326,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         pathlib.Path(out).write_text(json.dumps(answers))
         return
 
+    from jax import monitoring  # here: the clients' subprocess (above) does without JAX
+
     from tpuscore import Scorer, templates
     from tpuscore.serving import app as server
 
@@ -403,9 +423,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         "\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles "
-        "| RSS MiB: start, min-peak, end | RSS MiB/min, 2nd half |"
+        "| RSS MiB: start, min-peak, end | RSS MiB/min, 2nd half "
+        "| CPU ms/request: server, clients |"
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for r in results:
         p50 = f"{1e3 * r['p50_s']:.0f}" if r["p50_s"] is not None else "-"
         p99 = f"{1e3 * r['p99_s']:.0f}" if r["p99_s"] is not None else "-"
@@ -413,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['name']} | {r['requests']} | {r['statuses']} | {r['requests_per_s']:.1f} | "
             f"{p50} | {p99} | {r['compiles']} | "
             f"{r['rss_start_mib']:.0f}, {r['rss_min_mib']:.0f}-{r['rss_peak_mib']:.0f}, "
-            f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} |"
+            f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} | "
+            f"{r['cpu_ms_per_request']:.1f}, {r['client_cpu_ms_per_request']:.2f} |"
         )
     each = ", ".join(f"{r:.2f}" for r in ratios)
     print(f"\nHTTP / in-process throughput: {each} (median {float(np.median(ratios)):.2f})")
