@@ -7,14 +7,16 @@ item lengths) as /v1/score token ids, every fourth a /v1/rerank of text document
 sends request k, k + clients, ... in both phases, after --warmup seconds of it unmeasured.
 Measured per phase: requests/s, P50 and P99 latency, XLA compilations (JAX's compile events)
 and resident memory over time (sampled every 0.5 s); the table counts the answers by status.
-The HTTP clients run in a subprocess (httpx, asyncio), so they do not share the server's
-interpreter.
+The HTTP clients run in a subprocess, so they do not share the server's interpreter, but they
+do share its cores: by default they are raw asyncio HTTP/1.1 connections (`raw_clients`) that
+cost a few percent of the server's CPU; `--client httpx` drives it with httpx instead.
 
     python benchmarks/soak.py                         # the embedded default model, CPU
     python benchmarks/soak.py --tiny --duration 30    # a tiny random checkpoint
     python benchmarks/soak.py --json soak.json --plot docs/soak.png
     python benchmarks/soak.py --tiny --backend packed_dense \
         --warmup-all query_tokens=160,item_tokens=64,labels=2   # the shape set first
+    python benchmarks/soak.py --tiny --rounds 3 ...   # in-process, HTTP, in-process, ... x3
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 
 import numpy as np
-from jax import monitoring
 
 HERE = pathlib.Path(__file__).resolve().parent
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -79,14 +82,23 @@ def make_requests(rng: np.random.Generator, n: int, vocab: int) -> list[tuple[st
     return requests
 
 
+def cpu_seconds(who: int) -> float:
+    """User plus system CPU seconds of this process (RUSAGE_SELF, every thread) or of its
+    finished children (RUSAGE_CHILDREN: the HTTP clients' subprocess)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Sampler:
-    """Resident memory every RSS_PERIOD_S, and the compile events, from start() to stop()."""
+    """Resident memory every RSS_PERIOD_S, the compile events and the CPU time spent, from
+    start() to stop()."""
 
     def __init__(self, compiles: list[float]):
         self.compiles, self.samples, self.stopping = compiles, [], threading.Event()
 
     def start(self):
         self.t0, self.compiles0 = time.monotonic(), len(self.compiles)
+        self.cpu0 = [cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)]
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
         return self
@@ -98,7 +110,12 @@ class Sampler:
     def stop(self) -> dict:
         self.stopping.set()
         self.thread.join()
-        return {"rss": self.samples, "compiles": len(self.compiles) - self.compiles0}
+        return {
+            "rss": self.samples,
+            "compiles": len(self.compiles) - self.compiles0,
+            "cpu_s": cpu_seconds(resource.RUSAGE_SELF) - self.cpu0[0],
+            "client_cpu_s": cpu_seconds(resource.RUSAGE_CHILDREN) - self.cpu0[1],
+        }
 
 
 def in_process(service, requests, clients: int, duration: float) -> list[tuple]:
@@ -139,7 +156,54 @@ def in_process(service, requests, clients: int, duration: float) -> list[tuple]:
     return out
 
 
+async def raw_clients(url: str, requests, clients: int, duration: float) -> list[tuple]:
+    """The HTTP phase's default clients: one keep-alive HTTP/1.1 connection each, written and
+    read with asyncio streams, every request's bytes built once up front. They share the two
+    cores with the server, so they should cost as little as the in-process phase's threads do:
+    httpx spends about 3 ms of CPU a request here (its pool, anyio, a module lookup per call),
+    a sixth of what the server spends scoring one."""
+    address = urllib.parse.urlsplit(url)
+    host, port = address.hostname, address.port
+    encoded = []
+    for path, body in requests:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        encoded.append(head.encode() + data)
+    t0, out = time.monotonic(), []
+
+    async def client(k: int):
+        reader, writer = await asyncio.open_connection(host, port)
+        i = k
+        while time.monotonic() - t0 < duration:
+            start = time.monotonic()
+            writer.write(encoded[i % len(encoded)])
+            status, keep_alive = await read_response(reader)
+            out.append((start - t0, time.monotonic() - start, status))
+            if not keep_alive:
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+            i += clients
+        writer.close()
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return out
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
+    """One HTTP/1.1 response's status, and whether its connection stays open; its body is
+    read (by Content-Length, which the server always sends) and dropped."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+    lines = head.split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    if "content-length" not in headers:
+        raise RuntimeError(f"a response without Content-Length: {lines[0]!r}")
+    await reader.readexactly(int(headers["content-length"]))
+    return int(lines[0].split()[1]), headers.get("connection") != "close"
+
+
 async def http_clients(url: str, requests, clients: int, duration: float) -> list[tuple]:
+    """The HTTP phase's clients with httpx (`--client httpx`), as a Python service calls."""
     import httpx
 
     t0, out = time.monotonic(), []
@@ -164,7 +228,7 @@ def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> 
     statuses: dict[str, int] = {}
     for a in answers:
         statuses[str(a[2])] = statuses.get(str(a[2]), 0) + 1
-    rss = [r for _, r in sampled["rss"]]
+    rss = np.array(sampled["rss"]).reshape(-1, 2)  # (seconds, MiB) every RSS_PERIOD_S
     return {
         "name": name,
         "requests": len(answers),
@@ -173,11 +237,28 @@ def summary(name: str, answers: list[tuple], sampled: dict, duration: float) -> 
         "p99_s": float(np.percentile(latencies, 99)) if len(latencies) else None,
         "statuses": statuses,
         "compiles": sampled["compiles"],
-        "rss_start_mib": rss[0] if rss else None,
-        "rss_end_mib": rss[-1] if rss else None,
+        # CPU per answer: the serving process (its in-process clients' threads included) and
+        # the HTTP clients' subprocess (0 for the in-process phase).
+        "cpu_ms_per_request": 1e3 * sampled["cpu_s"] / max(len(answers), 1),
+        "client_cpu_ms_per_request": 1e3 * sampled["client_cpu_s"] / max(len(answers), 1),
+        "rss_start_mib": float(rss[0, 1]) if len(rss) else None,
+        "rss_end_mib": float(rss[-1, 1]) if len(rss) else None,
+        "rss_min_mib": float(rss[:, 1].min()) if len(rss) else None,
+        "rss_peak_mib": float(rss[:, 1].max()) if len(rss) else None,
+        "rss_slope_mib_per_min": rss_slope(rss),
         "answers": answers,
         "rss": sampled["rss"],
     }
+
+
+def rss_slope(rss: np.ndarray) -> float | None:
+    """MiB a minute that resident memory gains over the second half of a phase (a least-squares
+    line through its samples): near 0 once it plateaus. Memory swings by hundreds of MiB from
+    one sample to the next as batches allocate and free, so start and end alone say little."""
+    late = rss[rss[:, 0] >= rss[-1, 0] / 2] if len(rss) else rss
+    if len(late) < 2:
+        return None
+    return float(60 * np.polyfit(late[:, 0], late[:, 1], 1)[0])
 
 
 def serve(app) -> tuple[str, object, threading.Thread]:
@@ -201,13 +282,18 @@ def plot(results: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for r, color in zip(results, ("tab:blue", "tab:orange"), strict=False):
+    labelled = set()
+    for r in results:
+        kind = r["name"].split(",")[0].split(" (")[0]  # "in-process Batcher" or "HTTP"
+        color = "tab:orange" if kind == "HTTP" else "tab:blue"
+        label = None if kind in labelled else r["name"].split(", round")[0]
+        labelled.add(kind)
         answers = np.array([(a[0], a[1]) for a in r["answers"] if a[2] == 200])
         if len(answers):
-            top.scatter(answers[:, 0], answers[:, 1] * 1e3, s=3, color=color, label=r["name"])
+            top.scatter(answers[:, 0], answers[:, 1] * 1e3, s=3, color=color, label=label)
         rss = np.array(r["rss"])
         if len(rss):
-            bottom.plot(rss[:, 0], rss[:, 1], color=color, label=r["name"])
+            bottom.plot(rss[:, 0], rss[:, 1], color=color, label=label)
     top.set(ylabel="latency (ms)", yscale="log", title=title)
     bottom.set(xlabel="seconds into the phase", ylabel="resident memory (MiB)")
     top.legend(markerscale=4)
@@ -221,6 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 checkpoint")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the two phases this many times (in-process, HTTP, in-process, ...): on "
+        "a shared machine the load drifts, and alternating exposes both phases to it alike",
+    )
     p.add_argument("--requests", type=int, default=400, help="distinct requests in the list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure and answer here")
@@ -233,6 +326,12 @@ def main(argv: list[str] | None = None) -> None:
         "labels=N; `warmup(all=True)`), so the phases should compile nothing",
     )
     p.add_argument("--backend", default="auto", help="the scorer's backend (default auto)")
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="the HTTP phase's clients: raw asyncio HTTP/1.1 (default, lightest) or httpx",
+    )
     hidden = {"nargs": 3, "metavar": ("URL", "REQUESTS", "OUT"), "help": argparse.SUPPRESS}
     p.add_argument("--http-client", **hidden)
     args = p.parse_args(argv)
@@ -240,9 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_client:  # the subprocess that drives the HTTP phase
         url, requests_file, out = args.http_client
         requests = json.loads(pathlib.Path(requests_file).read_text())
-        answers = asyncio.run(http_clients(url, requests, args.clients, args.duration))
+        clients = raw_clients if args.client == "raw" else http_clients
+        answers = asyncio.run(clients(url, requests, args.clients, args.duration))
         pathlib.Path(out).write_text(json.dumps(answers))
         return
+
+    from jax import monitoring  # here: the clients' subprocess (above) does without JAX
 
     from tpuscore import Scorer, templates
     from tpuscore.serving import app as server
@@ -295,38 +397,52 @@ def main(argv: list[str] | None = None) -> None:
     took = time.monotonic() - start
     print(f"- warmup: {took:.0f} s of the traffic, {warm_compiles} compiles, {warm_rss:.0f} MiB")
 
-    results = []
-    sampler = Sampler(compiles).start()
-    answers = in_process(service, requests, args.clients, args.duration)
-    results.append(summary("in-process Batcher", answers, sampler.stop(), args.duration))
-
+    results, ratios = [], []
     url, uv, thread = serve(app)
     with tempfile.TemporaryDirectory() as tmp:
         requests_file, out = pathlib.Path(tmp, "requests.json"), pathlib.Path(tmp, "out.json")
         requests_file.write_text(json.dumps(requests))
-        sampler = Sampler(compiles).start()
-        command = [sys.executable, __file__, "--clients", str(args.clients)]
-        command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
-        subprocess.run([*command, str(out)], check=True)
-        answers = [tuple(a) for a in json.loads(out.read_text())]
-        results.append(summary("HTTP (uvicorn, httpx)", answers, sampler.stop(), args.duration))
+        for round_ in range(1, args.rounds + 1):
+            suffix = f", round {round_}" if args.rounds > 1 else ""
+            sampler = Sampler(compiles).start()
+            answers = in_process(service, requests, args.clients, args.duration)
+            sampled = sampler.stop()
+            results.append(summary("in-process Batcher" + suffix, answers, sampled, args.duration))
+
+            sampler = Sampler(compiles).start()
+            command = [sys.executable, __file__, "--client", args.client]
+            command += ["--clients", str(args.clients)]
+            command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
+            subprocess.run([*command, str(out)], check=True)
+            answers = [tuple(a) for a in json.loads(out.read_text())]
+            name = f"HTTP (uvicorn, {args.client} clients){suffix}"
+            results.append(summary(name, answers, sampler.stop(), args.duration))
+            ratios.append(results[-1]["requests_per_s"] / max(results[-2]["requests_per_s"], 1e-9))
     uv.should_exit = True
     thread.join(60)
 
-    print("\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles | RSS MiB |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "\n| phase | requests | answers | requests/s | P50 ms | P99 ms | compiles "
+        "| RSS MiB: start, min-peak, end | RSS MiB/min, 2nd half "
+        "| CPU ms/request: server, clients |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for r in results:
         p50 = f"{1e3 * r['p50_s']:.0f}" if r["p50_s"] is not None else "-"
         p99 = f"{1e3 * r['p99_s']:.0f}" if r["p99_s"] is not None else "-"
         print(
             f"| {r['name']} | {r['requests']} | {r['statuses']} | {r['requests_per_s']:.1f} | "
             f"{p50} | {p99} | {r['compiles']} | "
-            f"{r['rss_start_mib']:.0f} -> {r['rss_end_mib']:.0f} |"
+            f"{r['rss_start_mib']:.0f}, {r['rss_min_mib']:.0f}-{r['rss_peak_mib']:.0f}, "
+            f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} | "
+            f"{r['cpu_ms_per_request']:.1f}, {r['client_cpu_ms_per_request']:.2f} |"
         )
-    ratio = results[1]["requests_per_s"] / max(results[0]["requests_per_s"], 1e-9)
-    print(f"\nHTTP / in-process throughput: {ratio:.2f}")
+    each = ", ".join(f"{r:.2f}" for r in ratios)
+    print(f"\nHTTP / in-process throughput: {each} (median {float(np.median(ratios)):.2f})")
+    print(f"- load average at the end: {os.getloadavg()[0]:.2f}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"model": model, "results": results}))
+        figures = {"model": model, "results": results, "ratios": ratios}
+        pathlib.Path(args.json).write_text(json.dumps(figures))
     if args.plot:
         plot(results, args.plot, f"soak: {model}, {args.clients} clients")
 
