@@ -16,11 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpuscore.kernels.segment.gpu import (
-    GpuBlockSizes,
-    executed_tiles_gpu,
-    segment_attention_gpu,
-)
+from tpuscore.kernels.segment import executed_tiles, segment_attention
+from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
 
 LAYOUTS = {"long": (2000, 500, 20), "sglang": (300, 10, 10), "short": (100, 100, 10)}
@@ -60,17 +57,17 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             q, k, v = (jnp.asarray(rng.normal(size=(1, h, tokens, 128)), dtype) for h in (16, 8, 8))
             args = (q, k, v, prefix_len, seg_start)
-            got = segment_attention_gpu(*args, block_sizes=blocks)
+            got = segment_attention(*args, block_sizes=blocks)
             want = dense(*args)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            ran = executed_tiles_gpu(*args, block_sizes=blocks)
+            ran = executed_tiles(*args, block_sizes=blocks)
             mask = np.asarray(segment_mask(prefix_len, seg_start, tokens))[0]
             nq, nk = tokens // blocks.block_q, tokens // blocks.block_kv
             tiles = mask.reshape(nq, blocks.block_q, nk, blocks.block_kv).any(axis=(1, 3))
             causal = sum(min(nk, (i + 1) * blocks.block_q // blocks.block_kv) for i in range(nq))
             assert ran == tiles.sum() * 8, (ran, tiles.sum())  # per kv head
             ok = "ok" if diff <= TOLERANCE[dtype] else "FAILED"
-            kernel_ms = median_ms(lambda a=args: segment_attention_gpu(*a, block_sizes=blocks))
+            kernel_ms = median_ms(lambda a=args: segment_attention(*a, block_sizes=blocks))
             dense_ms = median_ms(lambda a=args: dense(*a))
             print(
                 f"| {name} | {dtype} | {tokens} | {ran // 8} / {causal} | {diff:.1e} {ok} "

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from gpu_segment_kernel import LAYOUTS, TOLERANCE, median_ms, packed
 
-from tpuscore.kernels.segment import gpu
-from tpuscore.kernels.segment.gpu import GpuBlockSizes, segment_attention_gpu
+from tpuscore.kernels.segment import gpu, segment_attention
+from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.mask import segment_attention_reference
 
 HEADS = {64: (9, 3), 128: (16, 8)}  # query, kv heads: SmolLM2-135M's and Qwen3-0.6B's
@@ -54,7 +54,7 @@ def score(blocks, layouts, head_dim, dtype, args):
     rng, times = np.random.default_rng(0), []
     for layout in layouts.values():
         x = inputs(layout, head_dim, dtype, blocks.tile, rng)
-        run = lambda x=x: segment_attention_gpu(  # noqa: E731
+        run = lambda x=x: segment_attention(  # noqa: E731
             *x, block_sizes=blocks, interpret=args.interpret or None
         )
         try:

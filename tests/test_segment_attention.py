@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpuscore.kernels.segment import executed_tiles, segment_attention
 from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
-from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles, segment_attention
+from tpuscore.kernels.segment.tpu import BlockSizes
 
 
 def test_mask_matches_the_docstring_picture():

@@ -12,15 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_segment_attention import layout, random_qkv
-from tpuscore.kernels.segment import gpu
-from tpuscore.kernels.segment.gpu import (
-    GpuBlockSizes,
-    executed_tiles_gpu,
-    segment_attention_gpu,
-    tuned_block_sizes,
-)
+from tpuscore.kernels.segment import executed_tiles, gpu, segment_attention
+from tpuscore.kernels.segment.gpu import GpuBlockSizes, tuned_block_sizes
 from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
-from tpuscore.kernels.segment.tpu import BlockSizes, executed_tiles
+from tpuscore.kernels.segment.tpu import BlockSizes
 
 
 @pytest.mark.slow  # interpreted kernels on 4 random geometries: 10-20 s
@@ -51,9 +46,7 @@ def test_kernel_equals_reference(
     window = None if window is None else jnp.int32(window)
     args = (q, k, v, jnp.array(prefix_lens), jnp.asarray(seg_start), window)
     scores = {"scale": 0.2, "softcap": 2.0}
-    got = segment_attention_gpu(
-        *args, **scores, block_sizes=GpuBlockSizes(block_q, 64), interpret=True
-    )
+    got = segment_attention(*args, **scores, block_sizes=GpuBlockSizes(block_q, 64), interpret=True)
     expected = segment_attention_reference(*args, **scores)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
@@ -62,7 +55,7 @@ def test_bfloat16_inputs_track_the_float32_reference(rng):
     q, k, v = random_qkv(rng, 1, 4, 2, 128, 32, jnp.bfloat16)
     seg_start = layout(rng, 128, 50, 20, 10)[None]
     args = (q, k, v, jnp.array([50]), jnp.asarray(seg_start))
-    got = segment_attention_gpu(*args, interpret=True)
+    got = segment_attention(*args, block_sizes=GpuBlockSizes(), interpret=True)
     assert got.dtype == jnp.bfloat16
     expected = segment_attention_reference(*args).astype(jnp.float32)
     np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
@@ -79,7 +72,7 @@ def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len, window):
     q, k, v = random_qkv(rng, 1, 2, 1, tokens, 16)
     window = None if window is None else jnp.int32(window)
     args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]), window)
-    gpu = executed_tiles_gpu(*args, block_sizes=GpuBlockSizes(32, 128), interpret=True)
+    gpu = executed_tiles(*args, block_sizes=GpuBlockSizes(32, 128), interpret=True)
     tpu = executed_tiles(*args, block_sizes=BlockSizes(32, 128), interpret=True)
     mask = np.asarray(segment_mask(args[3], args[4], tokens, window))[0]
     visible = mask.reshape(tokens // 32, 32, tokens // 128, 128).any(axis=(1, 3)).sum()
@@ -105,7 +98,7 @@ def test_lowers_for_cuda(model, dtype):
         shape((1,), jnp.int32),
         shape((1, tokens), jnp.int32),
     )
-    f = functools.partial(segment_attention_gpu, interpret=False)
+    f = functools.partial(segment_attention, block_sizes=GpuBlockSizes(), interpret=False)
     # jax.export refuses to serialize Triton calls (no stable format), so lower without export.
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
@@ -127,7 +120,14 @@ def test_block_sizes_are_validated(fields, message):
 def test_tokens_must_fill_whole_tiles():
     q, k, v = (jnp.zeros((1, 2, 96, 16)) for _ in range(3))
     with pytest.raises(ValueError, match="tokens=96 must be a multiple of block_q=64"):
-        segment_attention_gpu(q, k, v, jnp.zeros(1, jnp.int32), jnp.zeros((1, 96), jnp.int32))
+        segment_attention(
+            q,
+            k,
+            v,
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros((1, 96), jnp.int32),
+            block_sizes=GpuBlockSizes(),
+        )
 
 
 def test_shipped_swept_tiles_are_valid():

@@ -38,13 +38,10 @@ from tpuscore.backends.contract import (
     stack_labels,
 )
 from tpuscore.backends.packed import memory, packing
-from tpuscore.kernels.segment.gpu import (
-    GpuBlockSizes,
-    segment_attention_gpu,
-    tuned_block_sizes,
-)
+from tpuscore.kernels.segment import segment_attention
+from tpuscore.kernels.segment.gpu import GpuBlockSizes, tuned_block_sizes
 from tpuscore.kernels.segment.mask import segment_mask
-from tpuscore.kernels.segment.tpu import BlockSizes, segment_attention
+from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -137,9 +134,8 @@ def score_packed(
 
         def attention(q, k, v, layer):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
-            gpu = isinstance(block_sizes, GpuBlockSizes)
             kernel = functools.partial(
-                segment_attention_gpu if gpu else segment_attention,
+                segment_attention,
                 scale=layer.scale,
                 softcap=layer.softcap,
                 block_sizes=block_sizes,

@@ -1,13 +1,14 @@
 """Shared-prefix segment attention on GPUs: the segment kernel's GPU twin, in Pallas on Triton.
 
-The same function as `tpu.segment_attention` (the mask rule, O(T) metadata, jnp reference and
+The same function as the TPU kernel in `tpu.py` (the mask rule, O(T) metadata, jnp reference and
 shape checks of `mask.py`), restructured for GPU lowerings. The TPU kernel walks KV tiles on a
 sequential grid axis with VMEM scratch accumulators and scalar prefetch, which Pallas's GPU
 lowerings do not support. Here the grid is (query tile, batch, kv head) and each program loops
 over KV tiles itself, carrying the online-softmax state in registers. The loop visits only the
 tiles that hold a visible key: the prefix tiles, then the tiles from the tile's first segment
-start to its last row. That is exactly the set the TPU kernel computes, so `executed_tiles_gpu`
-counts the same number.
+start to its last row. That is exactly the set the TPU kernel computes, so `executed_tiles`
+counts the same number on either; `tpuscore.kernels.segment.segment_attention` runs this kernel
+for `GpuBlockSizes` tiles.
 
 Why Triton and not Mosaic GPU: Triton runs on every CUDA GPU JAX supports (Ampere, Hopper,
 Blackwell), and its programming model (one program per output tile, a loop over KV inside) is
@@ -145,12 +146,8 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "scale", "softcap"))
-def _segment_attention_gpu(
-    q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
-):
-    mask.check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
-    if interpret is None:  # on CPU there is no Triton lowering
-        interpret = jax.default_backend() != "gpu"
+def attention(q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap):
+    """`segment_attention` on GPU tiles: the output and the number of tiles computed."""
     B, N, T, H = q.shape
     K = k.shape[1]
     G = N // K
@@ -194,37 +191,3 @@ def _segment_attention_gpu(
         name="segment_attention_gpu",
     )(meta, seg_start, q.reshape(B, K, G, T, Hp), k, v)
     return o.reshape(B, N, T, Hp)[..., :H], tiles[..., 0].sum()
-
-
-def segment_attention_gpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    prefix_len: jax.Array,
-    seg_start: jax.Array,
-    window: jax.Array | None = None,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_sizes: GpuBlockSizes = GpuBlockSizes(),
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask (prefix_len [B], seg_start [B, T]) cut to `window`, scaled and soft-capped, as
-    `tpu.segment_attention` computes it.
-
-    T must be a multiple of both block sizes. interpret defaults to True off GPU.
-    """
-    return _segment_attention_gpu(
-        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, scale, softcap
-    )[0]
-
-
-def executed_tiles_gpu(
-    q, k, v, prefix_len, seg_start, window=None, *, block_sizes=GpuBlockSizes(), interpret=None
-):
-    """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    out = _segment_attention_gpu(
-        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, None, None
-    )
-    return int(out[1])

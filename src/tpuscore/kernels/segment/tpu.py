@@ -9,6 +9,7 @@ visible key are skipped: no compute, and on TPU no copy, because the K/V index m
 block index of the previous grid step for them (Pallas copies a block only when its index
 changes); tiles wholly outside a window are skipped the same way.
 `mask.segment_attention_reference` is the same function in plain jnp: the test oracle.
+`tpuscore.kernels.segment.segment_attention` runs this kernel for `BlockSizes` tiles.
 
 Axis letters as in `mask.py`.
 """
@@ -148,12 +149,10 @@ def _kernel(
 @functools.partial(
     jax.jit, static_argnames=("block_sizes", "interpret", "count_tiles", "scale", "softcap")
 )
-def _segment_attention(
+def attention(
     q, k, v, prefix_len, seg_start, window, block_sizes, interpret, count_tiles, scale, softcap
 ):
-    mask.check_shapes(q, k, v, prefix_len, seg_start, block_sizes)
-    if interpret is None:  # off TPU there is no Mosaic lowering
-        interpret = jax.default_backend() != "tpu"
+    """`segment_attention` on TPU tiles: the output, and with count_tiles the tiles computed."""
     B, N, T, H = q.shape
     K = k.shape[1]
     G = N // K
@@ -202,40 +201,3 @@ def _segment_attention(
     )(prefix_len, first_key, first_pos, window, lanes, q.reshape(B, K, G, T, H), k, v)
     o = outs[0].reshape(B, N, T, H)
     return (o, outs[1][..., 0, 0].sum()) if count_tiles else o
-
-
-def segment_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    prefix_len: jax.Array,
-    seg_start: jax.Array,
-    window: jax.Array | None = None,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_sizes: BlockSizes = BlockSizes(),
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Attention [B, N, T, H] of q [B, N, T, H] to k/v [B, K, T, H] under the shared-prefix segment
-    mask given by prefix_len [B] and seg_start [B, T], cut to `window` (an int32 scalar, may be
-    traced; None: no window) as the module docstring draws it.
-
-    Scores are scaled by `scale` (default H ** -0.5) and soft-capped as tanh(s / softcap) *
-    softcap where softcap is given. Every row must see at least one key (seg_start[r] <= r holds
-    that). T must be a multiple of both block sizes. interpret defaults to True off TPU, where
-    the Mosaic lowering is missing.
-    """
-    return _segment_attention(
-        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, False, scale, softcap
-    )
-
-
-def executed_tiles(
-    q, k, v, prefix_len, seg_start, window=None, *, block_sizes=BlockSizes(), interpret=None
-):
-    """How many (query tile, kv tile) steps the kernel computed, over all batches and kv heads."""
-    out = _segment_attention(
-        q, k, v, prefix_len, seg_start, window, block_sizes, interpret, True, None, None
-    )
-    return int(out[1])
