@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
             command = [sys.executable, __file__, "--client", args.client]
             command += ["--clients", str(args.clients)]
             command += ["--duration", str(args.duration), "--http-client", url, str(requests_file)]
-            subprocess.run([*command, str(out)], check=True)
+            # Bounded: the clients stop after --duration; a hung server cannot hold the run.
+            subprocess.run([*command, str(out)], check=True, timeout=args.duration + 300)
             answers = [tuple(a) for a in json.loads(out.read_text())]
             name = f"HTTP (uvicorn, {args.client} clients){suffix}"
             results.append(summary(name, answers, sampler.stop(), args.duration))
@@ -430,11 +431,13 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         p50 = f"{1e3 * r['p50_s']:.0f}" if r["p50_s"] is not None else "-"
         p99 = f"{1e3 * r['p99_s']:.0f}" if r["p99_s"] is not None else "-"
+        slope = r["rss_slope_mib_per_min"]
+        slope = f"{slope:+.1f}" if slope is not None else "-"
         print(
             f"| {r['name']} | {r['requests']} | {r['statuses']} | {r['requests_per_s']:.1f} | "
             f"{p50} | {p99} | {r['compiles']} | "
             f"{r['rss_start_mib']:.0f}, {r['rss_min_mib']:.0f}-{r['rss_peak_mib']:.0f}, "
-            f"{r['rss_end_mib']:.0f} | {r['rss_slope_mib_per_min']:+.1f} | "
+            f"{r['rss_end_mib']:.0f} | {slope} | "
             f"{r['cpu_ms_per_request']:.1f}, {r['client_cpu_ms_per_request']:.2f} |"
         )
     each = ", ".join(f"{r:.2f}" for r in ratios)
