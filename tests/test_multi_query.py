@@ -183,7 +183,7 @@ class OneGroupAtATime:
     """A user backend with only `score(batch)`: the reference's scores, one group per call."""
 
     def __init__(self, model, options):
-        self.config, self.params = model.config, jax.tree.map(np.asarray, model.params)
+        self.config, self.params = model.config, jax.tree.map(np.asarray, model.weights)
         self.calls = 0
 
     def score(self, batch):

@@ -41,6 +41,23 @@ def test_mixed_stores_only_projection_and_mlp_weights_in_bfloat16(pair):
     assert mixed.params["final_norm"].dtype == jnp.float32
 
 
+def test_mixed_step_never_widens_the_weight_stack(pair):
+    """XLA:CPU has no bfloat16 dynamic-slice: scanning the layers over bfloat16 weights made it
+    convert every weight to float32 (and each layer's slice back) on every step. The model holds
+    them as uint16 bits instead (`weights.layers_as_bits`), which no step widens."""
+    _, mixed = pair
+    model = mixed.engine.model
+    tokens = jnp.zeros((1, 16), jnp.int32)
+    positions = jnp.arange(16)[None]
+    causal = (positions[..., None] >= positions[..., None, :])[0][None]
+    attention = lambda q, k, v, layer: decoder.attend(q, k, v, causal, layer)  # noqa: E731
+    step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention))
+    hlo = step.lower(model.params, tokens, positions).compile().as_text()
+    for name in MIXED_BFLOAT16:
+        stack = model.params["layers"][name].shape
+        assert f"f32[{','.join(map(str, stack))}]" not in hlo, name
+
+
 @pytest.mark.xfail(
     strict=False,
     reason="issue 26 (open): mixed misses the 0.02 gate on some random checkpoints: "

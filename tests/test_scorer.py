@@ -105,7 +105,7 @@ class Scaled:
 
     def __init__(self, model, options: ScaledOptions):
         self.config, self.factor = model.config, options.factor
-        self.params = jax.tree.map(np.asarray, model.params)  # numpy code wants host arrays
+        self.params = jax.tree.map(np.asarray, model.weights)  # numpy code wants host arrays
         self.batches = []
 
     def score(self, batch):

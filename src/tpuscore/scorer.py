@@ -172,7 +172,7 @@ class Scorer:
         return self.engine.backends.get(name)
 
     config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")
-    params = property(lambda self: self.engine.model.params, doc="The parameters on device.")
+    params = property(lambda self: self.engine.model.weights, doc="The parameters on device.")
     dtype = property(lambda self: self.engine.model.dtype, doc="Attention's and K/V's dtype.")
     mesh = property(lambda self: self.engine.model.layout.mesh, doc="The mesh, or None.")
     tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")

@@ -98,7 +98,7 @@ def last_token_logprobs(config: ModelConfig, params: Params, tokens: np.ndarray)
 class ReferenceBackend:
     def __init__(self, model: Model, options: None = None):
         self.config = model.config
-        self.params = _as_float32(model.params)
+        self.params = _as_float32(model.weights)
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         out = BackendOutput.for_batch(batch)

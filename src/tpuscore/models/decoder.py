@@ -26,7 +26,7 @@ import numpy as np
 
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.weights import Params
+from tpuscore.models.weights import Params, bits_as_bfloat16
 
 CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
 SCORE_BLOCK_BYTES = 256 << 20
@@ -296,6 +296,17 @@ def _layer_attention(config: ModelConfig, window) -> LayerAttention:
     return LayerAttention(window, attention_scale(config), config.attn_logit_softcap)
 
 
+def _scan_layers(step, x, layers, *per_layer):
+    """lax.scan of step(x, (one layer's weights, *per-layer inputs)) over the stacked layers,
+    whose bfloat16 weights may arrive as their uint16 bits (`weights.layers_as_bits`)."""
+
+    def layer_step(x, inputs):
+        p, *rest = inputs
+        return step(x, (bits_as_bfloat16(p), *rest))
+
+    return jax.lax.scan(layer_step, x, (layers, *per_layer))
+
+
 # attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention) -> [B,T,N,H]
 Attention = Callable[..., jax.Array]
 
@@ -321,7 +332,7 @@ def forward(
         o = attention(q, k, v, _layer_attention(config, window))
         return _finish(config, x, o, p), None
 
-    x, _ = jax.lax.scan(step, _embed(params, config, tokens), (params["layers"], windows))
+    x, _ = _scan_layers(step, _embed(params, config, tokens), params["layers"], windows)
     return x
 
 
@@ -373,7 +384,7 @@ def extend(
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
-    return jax.lax.scan(step, x, (params["layers"], prefix.k, prefix.v, windows))
+    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows)
 
 
 def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.weights import Params
+from tpuscore.models.weights import Params, bits_as_bfloat16, layers_as_bits
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -59,8 +59,10 @@ def _mixed(params: Params) -> Params:
 @attrs.frozen(eq=False)
 class Model:
     """A loaded model. params follow `models/weights.py`, already on device and placed by
-    `layout`; precision is the mode's name (`resolve_precision`), dtype its `base_dtype`: that
-    of attention and the K/V."""
+    `layout`, in the form the decoder takes: on CPU its bfloat16 layer weights are held as their
+    uint16 bits (`weights.layers_as_bits`; `weights` has them in their own dtypes). precision is
+    the mode's name (`resolve_precision`), dtype its `base_dtype`: that of attention and the
+    K/V."""
 
     config: ModelConfig
     params: Params
@@ -79,4 +81,11 @@ class Model:
             placed = layout.put_params(_mixed(params), None)
         else:
             placed = layout.put_params(params, base_dtype(precision))
+        if jax.default_backend() == "cpu":
+            placed = layers_as_bits(placed)
         return cls(config, placed, base_dtype(precision), layout, precision)
+
+    @property
+    def weights(self) -> Params:
+        """The parameters in their own dtypes (on CPU, a copy of the bfloat16 layer weights)."""
+        return {**self.params, "layers": bits_as_bfloat16(self.params["layers"])}
