@@ -147,6 +147,27 @@ def test_weights_and_cached_kv_follow_the_model_axis(params, requests):
     assert prefix.v.sharding.is_equivalent_to(kv, prefix.v.ndim)
 
 
+def test_mixed_weights_keep_the_model_axis_as_bits(params, requests):
+    """On CPU mixed holds its bfloat16 layer weights as uint16 bits (`weights.layers_as_bits`):
+    placed as their float32 originals would be, given back as bfloat16 by `Scorer.params`, and
+    scored as the unsharded mixed scorer scores, up to bfloat16's rounding: the model axis
+    reorders float32 sums, and an ulp there can flip the rounding of a matmul's bfloat16 input
+    (2**-9 of it), so 1e-3 rather than float32's 1e-5 (measured: 3e-5)."""
+    mesh = mesh_of(2, 4)
+    scorer = Scorer(CONFIG, params, None, dtype="mixed", mesh=mesh)
+    held, given = scorer.engine.model.params["layers"], scorer.params["layers"]
+    spec = NamedSharding(mesh, P(None, None, "model", None))
+    assert held["wq"].dtype == np.uint16 and given["wq"].dtype == jax.numpy.bfloat16
+    assert held["wq"].sharding.is_equivalent_to(spec, 4)
+    assert given["wq"].sharding.is_equivalent_to(spec, 4)
+    unsharded = Scorer(CONFIG, params, None, dtype="mixed")
+    for backend in ("serial", "prefill_extend", "packed_dense"):
+        got = scorer.score_batch(requests, backend=backend)
+        want = unsharded.score_batch(requests, backend=backend)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-3, rtol=0)
+
+
 def test_loglikelihood_sharded_equals_unsharded(params, unsharded, rng):
     scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh_of(2, 4))
     context = rng.integers(1, CONFIG.vocab_size, 30).tolist()
