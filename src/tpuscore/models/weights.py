@@ -198,9 +198,10 @@ def layers_as_bits(params: Params) -> Params:
 
     XLA:CPU has no bfloat16 dynamic-slice: a layer scan over bfloat16 weights widens the whole
     stack to float32 on every call and narrows each layer's slice back, which cost the mixed
-    precision a fifth of its step. uint16 slices natively; the decoder's scan casts each slice's
+    precision a quarter of its step. uint16 slices natively; the decoder's scan casts each slice's
     bits back (`bits_as_bfloat16`), which costs nothing.
     """
+
     def bits(a):
         return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
 
@@ -209,6 +210,7 @@ def layers_as_bits(params: Params) -> Params:
 
 def bits_as_bfloat16(tree):
     """Undo `layers_as_bits` on a tree of layer weights (uint16 leaves back to bfloat16)."""
+
     def weights(a):
         return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
 
