@@ -86,6 +86,24 @@ def test_batches_of_any_size_give_the_same_scores(scorers, rng):
         np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0, err_msg=str(batch_items))
 
 
+def test_a_partly_filled_step_runs_as_power_of_two_steps_rather_than_padding(scorers, rng):
+    """100 items of 10 tokens (bucket 12): 64 + 32 + 4 rows, not 128 rows of which 28 (336
+    tokens) are padding; with the split off, one step of 128. Scores as serial's either way."""
+    base = scorers("qwen2_bias")
+    vocab = base.config.vocab_size
+    query = random_tokens(rng, 20, vocab)
+    items = [random_tokens(rng, 10, vocab) for _ in range(100)]
+    batch = make_batch(query, items, [3, 4], item_first=False)
+    expected = base.score(query, items, [3, 4], backend="serial").logprobs
+    for split, rows in [(128, [64, 32, 4]), (0, [128]), (400, [128])]:
+        options = {"prefill_extend": {"split_padding_tokens": split}}
+        scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+        stats = scorer.get_backend("prefill_extend").score(batch).stats
+        assert [shape[0] for name, shape in stats.shapes if name == "score_items"] == rows, split
+        got = scorer.score(query, items, [3, 4], backend="prefill_extend").logprobs
+        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0, err_msg=str(split))
+
+
 def test_counts_each_query_token_once(scorers, rng):
     scorer = scorers("qwen3_qknorm")
     scorer = Scorer(scorer.config, scorer.params, scorer.tokenizer)
@@ -109,6 +127,7 @@ def test_bad_options_fail_when_the_scorer_is_built(scorers):
         ({"batch_items": True}, "invalid_backend_option", "batch_items"),
         ({"prefix_cache_bytes": -1}, "invalid_backend_option", "prefix_cache_bytes"),
         ({"prefill_chunk": 2.5}, "invalid_backend_option", "prefill_chunk"),
+        ({"split_padding_tokens": -1}, "invalid_backend_option", "split_padding_tokens"),
         ({"no_such_option": 1}, "invalid_backend_option", "no_such_option"),
     ]:
         with pytest.raises(ValidationError) as err:

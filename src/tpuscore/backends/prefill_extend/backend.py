@@ -71,6 +71,10 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
+# Padding (in item tokens) past which an extend step on CPU runs as steps of power-of-two rows.
+# A CPU step's fixed cost, mostly reading every weight once, is worth about 30 tokens of compute
+# whatever the model (twice the matmul rate over the memory bandwidth), so 128 leaves a margin.
+CPU_SPLIT_PADDING_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,13 +83,18 @@ class PrefillExtendOptions:
     accelerator memory; 0 keeps nothing). batch_items: items per extend step (default from an
     activation-memory estimate). activation_bytes: that estimate's budget (default 256 MiB on
     CPU, an eighth of accelerator memory). prefill_chunk: query tokens per prefill step, which
-    bounds its own [chunk, chunk] attention (default 512). batch_invariant: plan every step from
-    one query and its items alone (module doc; set by `Scorer(batch_invariant=True)`)."""
+    bounds its own [chunk, chunk] attention (default 512). split_padding_tokens: an extend step
+    whose row padding would hold at least this many item tokens runs as steps of power-of-two
+    rows instead (100 items: 64 + 32 + 4 rather than 128; default 128 on CPU, 0 = never, the
+    default on accelerators, where a step's fixed cost outweighs padding). batch_invariant: plan
+    every step from one query and its items alone (module doc; set by
+    `Scorer(batch_invariant=True)`)."""
 
     prefix_cache_bytes: int | None = None
     batch_items: int | None = None
     activation_bytes: int | None = None
     prefill_chunk: int | None = None
+    split_padding_tokens: int | None = None
     batch_invariant: bool = False
 
     def __post_init__(self):
@@ -94,6 +103,7 @@ class PrefillExtendOptions:
             ("batch_items", 1),
             ("activation_bytes", 1),
             ("prefill_chunk", 1),
+            ("split_padding_tokens", 0),
         ):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=minimum)
@@ -311,6 +321,10 @@ class PrefillExtendBackend(Budgeted):
         self.batch_items = options.batch_items
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
         self.prefill_chunk = options.prefill_chunk or 512
+        split = options.split_padding_tokens
+        if split is None:
+            split = CPU_SPLIT_PADDING_TOKENS if jax.default_backend() == "cpu" else 0
+        self.split_padding_tokens = split
         self.batch_invariant = options.batch_invariant
         self._empty = self._zero_prefix(MIN_TOKEN_BUCKET)
 
@@ -718,8 +732,23 @@ class PrefillExtendBackend(Budgeted):
             if count > cap:  # shrinking the batch can only shorten its bucket: cap still holds
                 count = cap
                 item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+            unpadded = self.unpadded_rows(count, item_len)
+            if unpadded < count:
+                count = unpadded
+                item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
             yield np.arange(start, start + count), item_len
             start += count
+
+    def unpadded_rows(self, count: int, item_len: int) -> int:
+        """The items a step of `count` items takes: all of them, or where padding them to a row
+        bucket would waste `split_padding_tokens` item tokens or more, the largest row bucket
+        below (the rest go to the next steps, which are split again)."""
+        layout = self.model.layout
+        padding = (layout.rows(count) - count) * item_len
+        if not self.split_padding_tokens or padding < self.split_padding_tokens:
+            return count
+        below = pow2_floor(count)
+        return below if layout.rows(below) == below else count
 
     def batch_rows(self, item_len: int, row_prefix_len: int = 0) -> int:
         """Items per extend step: the override, or as many as the activation budget allows on
