@@ -49,7 +49,7 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
     model = mixed.engine.model
     tokens = jnp.zeros((1, 16), jnp.int32)
     positions = jnp.arange(16)[None]
-    causal = (positions[..., None] >= positions[..., None, :])[0][None]
+    causal = jnp.tril(jnp.ones((1, 16, 16), bool))
     attention = lambda q, k, v, layer: decoder.attend(q, k, v, causal, layer)  # noqa: E731
     step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention))
     hlo = step.lower(model.params, tokens, positions).compile().as_text()
