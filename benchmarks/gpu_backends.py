@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--geometry", default="all", choices=["all", *GEOMETRIES])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="packed_dense first")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
     args = parser.parse_args()
     print(f"command: python {' '.join(sys.argv)}")
@@ -127,9 +128,10 @@ def run_geometry(scorer: Scorer, peers: dict, name: str, args, rng: np.random.Ge
     query, items, _ = request()
     expected = None
     here = jax.default_backend()
-    compiled = [b for b in BACKENDS if registry.registration(b).capabilities.compiled(here)]
-    if len(compiled) < len(BACKENDS):
-        skipped = ", ".join(sorted(set(BACKENDS) - set(compiled)))
+    wanted = args.backends.split(",")
+    compiled = [b for b in wanted if registry.registration(b).capabilities.compiled(here)]
+    if len(compiled) < len(wanted):
+        skipped = ", ".join(sorted(set(wanted) - set(compiled)))
         print(f"(skipped, Pallas interpret mode on {here}: {skipped})")
     runs = {b: lambda b=b: scorer.score(*request(), backend=b) for b in compiled}
     runs |= {p: lambda fn=fn: fn(*request()) for p, fn in peers.items()}

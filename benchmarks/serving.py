@@ -232,7 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--duration", type=float, default=30.0, help="seconds of arrivals per peer")
     add("--load", type=float, default=0.7, help="rate as a fraction of sequential requests/s")
-    add("--rate", type=float, help="requests/s (overrides --load)")
+    add(
+        "--rate",
+        type=lambda text: [float(r) for r in text.split(",")],
+        help="requests/s (overrides --load); several, comma-separated, run the Batcher at each",
+    )
     add("--query-len", type=int, default=300)
     add("--items", type=int, default=10)
     add("--item-len", type=int, default=10)
@@ -245,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--backend", default="auto", help="tpuscore's backend for both tpuscore peers")
     add("--batch-invariant", action="store_true", help="the scorer's bitwise batch-invariant mode")
     add("--skip-hf", action="store_true", help="time tpuscore only")
+    add("--skip-threads", action="store_true", help="no thread-pool peer of scorer.score")
     add("--gpu", action="store_true", help="a random Qwen3-0.6B-shaped checkpoint, HF on CUDA")
     add("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
     args = p.parse_args(argv)
@@ -275,10 +280,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in timing:
         score(r)
     sequential = len(timing) / (time.perf_counter() - start)
-    rate = args.rate or args.load * sequential
+    rates = args.rate or [args.load * sequential]
     print(
         f"- sequential scorer.score: {sequential:.2f} requests/s "
-        f"({sequential * args.items:.1f} items/s); rate {rate:.2f} requests/s"
+        f"({sequential * args.items:.1f} items/s); rates {', '.join(f'{r:.2f}' for r in rates)} "
+        "requests/s"
     )
     per_request = args.query_len + args.items * args.item_len
     full = max(1, (args.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS) // per_request)
@@ -292,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         scorer.score_batch(batch)
     batched = 3 * full / (time.perf_counter() - start)
     print(f"- score_batch of {full} requests (one full batch): {batched:.2f} requests/s")
-    arrivals = poisson_arrivals(rng, rate, args.duration)
-    print(f"- {len(arrivals)} arrivals per peer", flush=True)
+    arrivals = {rate: poisson_arrivals(rng, rate, args.duration) for rate in rates}
+    print(f"- arrivals per peer: {', '.join(str(len(a)) for a in arrivals.values())}", flush=True)
     timeout_s = max(60.0, 3 * args.duration)
     outcomes = []
 
@@ -308,27 +314,32 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for future in futures:
                 future.result()
-        outcomes.append(
-            drive(
-                "tpuscore Batcher",
-                lambda r: batcher.submit(query=r.query, items=r.items, label_token_ids=r.labels),
-                requests_for(rng, len(arrivals), args, vocab),
-                arrivals,
-                timeout_s,
+        for rate, times in arrivals.items():
+            outcomes.append(
+                drive(
+                    f"tpuscore Batcher at {rate:g} requests/s",
+                    lambda r: batcher.submit(
+                        query=r.query, items=r.items, label_token_ids=r.labels
+                    ),
+                    requests_for(rng, len(times), args, vocab),
+                    times,
+                    timeout_s,
+                )
             )
-        )
+    arrivals = arrivals[rates[0]]  # the other peers run at the first rate
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        outcomes.append(
-            drive(
-                f"tpuscore threads ({args.workers}), scorer.score",
-                lambda r: pool.submit(score, r),
-                requests_for(rng, len(arrivals), args, vocab),
-                arrivals,
-                timeout_s,
+    if not args.skip_threads:
+        with ThreadPoolExecutor(args.workers) as pool:
+            outcomes.append(
+                drive(
+                    f"tpuscore threads ({args.workers}), scorer.score",
+                    lambda r: pool.submit(score, r),
+                    requests_for(rng, len(arrivals), args, vocab),
+                    arrivals,
+                    timeout_s,
+                )
             )
-        )
-        pool.shutdown(wait=False, cancel_futures=True)  # past the timeout: leave the rest
+            pool.shutdown(wait=False, cancel_futures=True)  # past the timeout: leave the rest
 
     if not args.skip_hf:
         hf = hf_score(hf_model(args, checkpoint), on_gpu=args.gpu)

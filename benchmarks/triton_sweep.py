@@ -16,6 +16,7 @@ src/tpuscore/kernels/segment/gpu_tiles.json, which packed_segment reads for its 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -49,11 +50,18 @@ def inputs(layout, head_dim, dtype, tile, rng):
     return q, k, v, prefix_len, seg_start
 
 
+@functools.cache
+def case(layout, head_dim, dtype, tile):
+    """The inputs of one packed layout and the reference's output on them."""
+    x = inputs(layout, head_dim, dtype, tile, np.random.default_rng(0))
+    return x, segment_attention_reference(*x)
+
+
 def score(blocks, layouts, head_dim, dtype, args):
     """Geometric mean ms over the layouts, or None if the kernel fails or is wrong."""
-    rng, times = np.random.default_rng(0), []
+    times = []
     for layout in layouts.values():
-        x = inputs(layout, head_dim, dtype, blocks.tile, rng)
+        x, want = case(layout, head_dim, dtype, blocks.tile)
         run = lambda x=x: segment_attention(  # noqa: E731
             *x, block_sizes=blocks, interpret=args.interpret or None
         )
@@ -62,7 +70,6 @@ def score(blocks, layouts, head_dim, dtype, args):
         except Exception as e:  # a tile Triton rejects (shared memory, registers)
             print(f"  {blocks}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
             return None
-        want = segment_attention_reference(*x)
         diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         if diff > TOLERANCE[dtype]:
             print(f"  {blocks}: off the reference by {diff:.1e}", file=sys.stderr)
@@ -98,22 +105,29 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="of gpu_segment_kernel.LAYOUTS")
+    p.add_argument("--tiles", default="16,32,64,128", help="block_q and block_kv swept")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=480, help="stop sweeping after this")
+    p.add_argument(
+        "--budget-s", type=float, default=480, help="stop sweeping after this, split evenly over "
+        "the (head dim, dtype) pairs"
+    )
     p.add_argument("--write", action="store_true", help="record the best in gpu_tiles.json")
     p.add_argument("--json", help="write every result here")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--smoke", action="store_true", help="one tiny layout, two tile sizes")
     args = p.parse_args(argv)
-    grid, layouts = (SMOKE, SMOKE_LAYOUTS) if args.smoke else (FULL, LAYOUTS)
+    tiles = tuple(map(int, args.tiles.split(",")))
+    chosen = {name: LAYOUTS[name] for name in args.layouts.split(",")}
+    grid, layouts = (SMOKE, SMOKE_LAYOUTS) if args.smoke else ((tiles, *FULL[1:]), chosen)
     kind = jax.devices()[0].device_kind
     print(f"command: python {' '.join(sys.argv)}; jax {jax.__version__}; device {kind}\n")
-    deadline = time.monotonic() + args.budget_s
-    best, everything = {}, {}
-    for head_dim, dtype in itertools.product(
-        map(int, args.head_dims.split(",")), args.dtypes.split(",")
-    ):
+    pairs = list(itertools.product(map(int, args.head_dims.split(",")), args.dtypes.split(",")))
+    best, everything, partial = {}, {}, False
+    for head_dim, dtype in pairs:
+        deadline = time.monotonic() + args.budget_s / len(pairs)
         results = sweep(head_dim, dtype, layouts, grid, args, deadline)
+        partial |= time.monotonic() > deadline
         key = gpu.tiles_key(head_dim, dtype)
         everything[key] = [dict(ms=ms, **vars(b)) for ms, b in results]
         print(f"## head dim {head_dim}, {dtype}: {len(results)} configurations ran\n")
@@ -126,7 +140,7 @@ def main(argv=None):
             print(f"\nbest {results[0][0]:.3f} ms vs the default tiles' {default:.3f} ms\n")
         if results:
             best[key] = vars(results[0][1])
-    if time.monotonic() > deadline:
+    if partial:
         print(f"NOTE: stopped at --budget-s {args.budget_s}: the sweep is partial")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({kind: everything}, indent=1))

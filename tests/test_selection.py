@@ -2,6 +2,7 @@
 memory fallbacks, `Scorer.plan`, the device profiles and the calibration fit."""
 
 import json
+import types
 from pathlib import Path
 
 import attrs
@@ -222,9 +223,13 @@ def test_a_step_that_cannot_fit_the_device_is_refused(scorers, rng, monkeypatch)
 def test_built_in_profiles_and_a_users_own(tmp_path, checkpoint_dir):
     for name in profiles.BUILT_IN:
         profile = profiles.built_in(name)
-        assert profile.measured == (name == "cpu"), name
+        assert profile.measured == (name in ("cpu", "h200")), name
         assert profile.matmul_rate("bfloat16") > 0 and profile.memory_bandwidth > 0
     assert profiles.for_device().name == "cpu"  # this machine
+    for kind, name in [("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "h200"),
+                       ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "h100")]:
+        device = types.SimpleNamespace(device_kind=kind, platform="gpu")
+        assert profiles.for_device(device).name == name, kind  # an A100: the GPU fallback
     mine = DeviceProfile(
         name="mine", device_kinds=("cpu",), matmul_flops={"float32": 1e11},
         memory_bandwidth=1e10, step_seconds=1e-3, score_seconds=1e-9, interpret_penalty=50.0,
@@ -265,15 +270,26 @@ def test_the_h100_profile_picks_within_25_percent_of_what_an_h100_measured():
         assert max(items_per_s.values()) / items_per_s[pick] <= 1.25, (q, n, pick, items_per_s)
 
 
-def test_the_cpu_profile_picks_as_its_calibration_measured():
-    """docs/calibration_cpu.json: the calibration run that fitted the shipped cpu.json, every
+def calibration_pool(name):
+    """The backends a calibration run priced: the default model on the CPU; on the H200 the
+    random Qwen3-0.6B, packed_segment with the GPU kernel's tiles."""
+    if name == "cpu":
+        return BackendPool(Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32)), None)
+    pool = abstract_pool(QWEN3_0_6B, 10 << 30)
+    pool.get("packed_segment").block_sizes = GpuBlockSizes()
+    return pool
+
+
+@pytest.mark.parametrize("name, platform", [("cpu", "cpu"), ("h200", "gpu")])
+def test_a_measured_profile_picks_as_its_calibration_measured(name, platform):
+    """docs/calibration_{name}.json: the calibration run that fitted the shipped profile, every
     backend timed on fresh queries in interleaved rounds. With the shipped profile and the
     backends' `work` as they are, auto must still make the recorded pick at every point, and at
     every held-out point that pick was measured within 25% of the fastest backend."""
-    run = json.loads((Path(__file__).parents[1] / "docs/calibration_cpu.json").read_text())
-    assert run["profile"] == json.loads(json.dumps(attrs.asdict(profiles.built_in("cpu"))))
-    model = selection.CostModel(profiles.built_in("cpu"), platform="cpu")
-    pool = BackendPool(Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32)), None)
+    run = json.loads((Path(__file__).parents[1] / f"docs/calibration_{name}.json").read_text())
+    assert run["profile"] == json.loads(json.dumps(attrs.asdict(profiles.built_in(name))))
+    model = selection.CostModel(profiles.built_in(name), platform=platform)
+    pool = calibration_pool(name)
     held_out = [p for p in run["points"] if p["held_out"]]
     assert any(p["geometry"] == [60, 12, 90] for p in held_out)  # auto's miss in issue 26
     for point in run["points"]:

@@ -210,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time nothing: fit and check on the timings of an earlier run's --measurements file "
         "(its grid and split), e.g. after a change to how `work` prices steps",
     )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="time no new point after this many seconds: fit and check on the points timed "
+        "(the grid alternates fitted and held-out points, so a prefix keeps both)",
+    )
     args = parser.parse_args(argv)
     command = "python -m tpuscore.cli.calibrate " + " ".join(argv or sys.argv[1:])
     load = {"before": _load()}
@@ -236,9 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         load = earlier.get("load", {})
         command += f" (timings of {earlier['command']})"
     else:
-        points, check_points = GRID, set(GRID[1::2])
+        deadline = time.monotonic() + (args.budget_s or float("inf"))
         requests = Requests(scorer)
-        measured = {g: measure(scorer, requests, compiled, g) for g in points}
+        measured = {}
+        for g in GRID:
+            if time.monotonic() > deadline:
+                print(f"# --budget-s {args.budget_s}: stopped after {len(measured)} points")
+                break
+            measured[g] = measure(scorer, requests, compiled, g)
+        points, check_points = list(measured), set(GRID[1::2]) & set(measured)
         interpret = None
         for name in interpreted[:1]:
             seconds = first_call(scorer, requests, name, INTERPRET_POINT)

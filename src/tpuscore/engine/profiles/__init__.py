@@ -1,9 +1,10 @@
 """Device profiles: the constants `selection.py`'s time model prices a step with.
 
 A profile is a JSON file (`DeviceProfile.save` writes one; `python -m tpuscore.cli.calibrate` fits
-one on the current machine). The built-in ones sit next to this module: `cpu.json` was measured on
-a 2-core CPU by the calibration script; `tpu-v5e.json`, `tpu-v6e.json` and `h100.json` come from
-the chips' spec sheets and say `"measured": false`. `for_device` picks one by device kind.
+one on the current machine). The built-in ones sit next to this module: `cpu.json` (a 2-core CPU)
+and `h200.json` (an NVIDIA H200, which a GH200's device kind matches too) were fitted by the
+calibration script; `tpu-v5e.json`, `tpu-v6e.json` and `h100.json` come from the chips' spec
+sheets and say `"measured": false`. `for_device` picks one by device kind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-BUILT_IN = ("cpu", "tpu-v5e", "tpu-v6e", "h100")
+BUILT_IN = ("cpu", "tpu-v5e", "tpu-v6e", "h100", "h200")
 FALLBACK = {"cpu": "cpu", "tpu": "tpu-v6e", "gpu": "h100"}  # an unknown chip of each platform
 
 
