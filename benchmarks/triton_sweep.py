@@ -109,8 +109,10 @@ def main(argv=None):
     p.add_argument("--tiles", default="16,32,64,128", help="block_q and block_kv swept")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument(
-        "--budget-s", type=float, default=480, help="stop sweeping after this, split evenly over "
-        "the (head dim, dtype) pairs"
+        "--budget-s",
+        type=float,
+        default=480,
+        help="stop sweeping after this, split evenly over the (head dim, dtype) pairs",
     )
     p.add_argument("--write", action="store_true", help="record the best in gpu_tiles.json")
     p.add_argument("--json", help="write every result here")

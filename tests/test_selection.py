@@ -226,8 +226,12 @@ def test_built_in_profiles_and_a_users_own(tmp_path, checkpoint_dir):
         assert profile.measured == (name in ("cpu", "h200")), name
         assert profile.matmul_rate("bfloat16") > 0 and profile.memory_bandwidth > 0
     assert profiles.for_device().name == "cpu"  # this machine
-    for kind, name in [("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "h200"),
-                       ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "h100")]:
+    for kind, name in [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GH200 480GB", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "h100"),
+    ]:
         device = types.SimpleNamespace(device_kind=kind, platform="gpu")
         assert profiles.for_device(device).name == name, kind  # an A100: the GPU fallback
     mine = DeviceProfile(
