@@ -307,6 +307,20 @@ def test_a_measured_profile_picks_as_its_calibration_measured(name, platform):
         assert measured[point["pick"]]["seconds"] / fastest <= calibrate.TOLERANCE, point
 
 
+def test_calibration_stops_timing_new_points_once_its_budget_is_spent(monkeypatch):
+    timed = []
+
+    def fake_measure(scorer, requests, names, geometry):
+        timed.append(geometry)
+        return {name: calibrate.Timing(1.0) for name in names}
+
+    monkeypatch.setattr(calibrate, "measure", fake_measure)
+    assert list(calibrate.time_grid(None, None, ["serial"], budget_s=0)) == [calibrate.GRID[0]]
+    assert list(calibrate.time_grid(None, None, ["serial"], budget_s=60)) == list(calibrate.GRID)
+    assert list(calibrate.time_grid(None, None, ["serial"])) == list(calibrate.GRID)
+    assert len(timed) == 1 + 2 * len(calibrate.GRID)
+
+
 def test_calibration_times_fresh_queries_in_interleaved_rounds(scorers, monkeypatch):
     """Every timed call scores a query never seen before (so prefill_extend is never timed on a
     prefix-cache hit), and the backends alternate A, B, A, B after the first calls."""

@@ -173,6 +173,19 @@ def measure(scorer: Scorer, requests: Requests, names, geometry) -> dict[str, Ti
     return timings
 
 
+def time_grid(scorer: Scorer, requests: Requests, names, budget_s: float | None = None) -> dict:
+    """`measure` at each point of GRID in order, starting none once `budget_s` has passed (the
+    first always runs)."""
+    deadline = time.monotonic() + (budget_s if budget_s is not None else float("inf"))
+    measured = {}
+    for g in GRID:
+        measured[g] = measure(scorer, requests, names, g)
+        if time.monotonic() > deadline and len(measured) < len(GRID):
+            print(f"# --budget-s {budget_s}: stopped after {len(measured)} points", flush=True)
+            break
+    return measured
+
+
 def fit(rows: list[tuple[np.ndarray, float]]) -> np.ndarray:
     """Non-negative (step, per-flop, per-byte, per-score) seconds minimizing relative error."""
     X = np.array([f / t for f, t in rows])
@@ -242,14 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         load = earlier.get("load", {})
         command += f" (timings of {earlier['command']})"
     else:
-        deadline = time.monotonic() + (args.budget_s or float("inf"))
         requests = Requests(scorer)
-        measured = {}
-        for g in GRID:
-            if time.monotonic() > deadline:
-                print(f"# --budget-s {args.budget_s}: stopped after {len(measured)} points")
-                break
-            measured[g] = measure(scorer, requests, compiled, g)
+        measured = time_grid(scorer, requests, compiled, args.budget_s)
         points, check_points = list(measured), set(GRID[1::2]) & set(measured)
         interpret = None
         for name in interpreted[:1]:
