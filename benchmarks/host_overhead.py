@@ -12,6 +12,10 @@ device work an unwrapped call gets, so this is the host time each step would hav
 unwrapped call's wall time is printed beside it. Every call gets a fresh random query (so the
 prefix cache never hits), after one call per geometry that compiles. --trace writes one
 unwrapped call's `jax.profiler` trace (TensorBoard / Perfetto) for the timeline.
+
+--host-only runs no step: it times the host work of a call that is the same on any device
+(validation, planning, and a packed backend's scheduling and packing), so the seeds' long
+geometry can be timed on a CPU, whose steps would take seconds.
 """
 
 from __future__ import annotations
@@ -94,6 +98,29 @@ def measure(scorer, backend, geometry, repeats, rng):
     return steps, ms(plain), ms(wrapped), ms(host_per_step)
 
 
+def host_only(scorer, backend, geometry, repeats, rng):
+    """Median ms of (prepare, plan, a packed backend's schedule and packing) for fresh requests."""
+    from tpuscore.backends.packed import packing
+    from tpuscore.engine import planning
+
+    instance, times = scorer.get_backend(backend), []
+    for _ in range(repeats):
+        query, items = request(rng, geometry, scorer.config.vocab_size)
+        start = time.perf_counter()
+        prepared = scorer.prepare(query, items, [1, 2])
+        prepared_at = time.perf_counter()
+        planning.plan([prepared], backend, scorer.engine.selector, scorer.backends)
+        planned_at = time.perf_counter()
+        batches = [g.batch for g in planning.group([prepared])]
+        packed = hasattr(instance, "slots")  # a packed backend (prefill_extend: not timed)
+        for step in instance.schedule(batches) if packed else []:
+            chunks = [packing.pack(batches[g], rows, step.length) for g, rows in step.chunks]
+            packing.stack(chunks, step.rows, instance.slots(step.length))
+        done = time.perf_counter()
+        times.append((prepared_at - start, planned_at - prepared_at, done - planned_at))
+    return [1e3 * statistics.median(column) for column in zip(*times, strict=True)]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", action="store_true", help="a random Qwen3-0.6B-shaped checkpoint")
@@ -104,6 +131,7 @@ def main(argv=None):
     p.add_argument("--backends", default="prefill_extend,packed_dense,packed_segment")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trace", help="write a jax.profiler trace of one call per backend here")
+    p.add_argument("--host-only", action="store_true", help="time the host work, run no step")
     args = p.parse_args(argv)
 
     model, dtype = args.model, args.dtype
@@ -116,13 +144,23 @@ def main(argv=None):
     scorer = Scorer.from_pretrained(model, dtype=dtype or "float32")
     geometries = args.geometry or (["sglang", "short", "long"] if args.gpu else ["sglang"])
     backends = args.backends.split(",")
-    if jax.default_backend() == "cpu" and "packed_segment" in backends:
+    interpreted = jax.default_backend() == "cpu" and "packed_segment" in backends
+    if interpreted and not args.host_only:
         backends.remove("packed_segment")  # Pallas interpret mode on CPU: not a host figure
     print(f"# Host time per step: {platform.node()}, {jax.devices()[0].device_kind}")
     print(f"command: python {' '.join(sys.argv)}; jax {jax.__version__}; dtype {scorer.dtype}\n")
+    rng = np.random.default_rng(0)
+    if args.host_only:
+        print("| geometry | backend | prepare ms | plan ms | schedule + pack ms |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        for name in geometries:
+            for backend in backends:
+                cells = host_only(scorer, backend, GEOMETRIES[name], args.repeats, rng)
+                print(f"| {name} {GEOMETRIES[name]} | {backend} | "
+                      + " | ".join(f"{ms:.2f}" for ms in cells) + " |", flush=True)  # fmt: skip
+        return
     print("| geometry | backend | steps | call ms | call ms, steps waited | host ms / step |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    rng = np.random.default_rng(0)
     for name in geometries:
         for backend in backends:
             steps, plain, wrapped, host = measure(

@@ -1,5 +1,7 @@
 """packed_dense and packed_segment: the layout, and scores equal to serial with items isolated."""
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 
@@ -171,3 +173,32 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     for query, items, labels in requests:  # the same stream again compiles nothing
         scorer.score(query, items, labels, backend=backend)
     assert len(compiles) == first_pass
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    query=st.lists(st.integers(1, 99), max_size=12),
+    items=st.lists(st.lists(st.integers(1, 99), max_size=6), min_size=1, max_size=10),
+    data=st.data(),
+)
+def test_pack_lays_out_the_query_and_chosen_items_token_by_token(query, items, data):
+    """`pack` against the layout written out one token at a time (the module docstring's)."""
+    if not query:
+        items = [item or [7] for item in items]  # no token to score after
+    rows = sorted(data.draw(st.sets(st.integers(0, len(items) - 1), min_size=1)))
+    tokens, positions, seg_start = list(query), list(range(len(query))), [0] * len(query)
+    score_at = []
+    for i in rows:
+        start = len(tokens)
+        tokens += items[i]
+        positions += range(len(query), len(query) + len(items[i]))
+        seg_start += [start] * len(items[i])
+        score_at.append(len(tokens) - 1 if items[i] else len(query) - 1)
+    length = len(tokens) + data.draw(st.integers(0, 5))
+    padding = range(len(tokens), length)
+    chunk = packing.pack(make_batch(query, items, [1], item_first=False), rows, length)
+    np.testing.assert_array_equal(chunk.tokens, tokens + [0] * len(padding))
+    np.testing.assert_array_equal(chunk.positions, positions + [0] * len(padding))
+    np.testing.assert_array_equal(chunk.seg_start, seg_start + list(padding))
+    assert chunk.score_index[: len(rows)].tolist() == score_at and chunk.prefix_len == len(query)
+    assert not chunk.score_index[len(rows) :].any() and chunk.rows.tolist() == rows

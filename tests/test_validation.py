@@ -1,10 +1,15 @@
 """Every validation code is raised by a bad input, and no bad input reaches a backend."""
 
+from numbers import Integral
+
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 
 from helpers import SpyBackend
 from tpuscore import ValidationError, backends
+from tpuscore.api import validation
 
 CASE = "llama_gqa_untied"  # vocab 331, max_position_embeddings 512
 
@@ -103,3 +108,34 @@ def test_empty_items_return_an_empty_result_without_a_backend(scorer):
     assert result.logprobs.shape == (0, 3) and result.backend == "none"
     assert result.scores.shape == (0, 3) and result.label_probs.shape == (0, 3)
     assert SpyBackend.calls == 0
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    st.lists(
+        st.one_of(
+            st.integers(-2, 12),
+            st.booleans(),
+            st.integers(0, 11).map(np.int32),
+            st.floats(0, 5),
+        ),
+        max_size=20,
+    )
+)
+def test_token_ids_accept_exactly_ints_inside_the_vocabulary(values):
+    """The check of a token-id list (a fast path for plain int lists, else element by element):
+    the ids back as ints, or the first bad element named, whatever the list holds."""
+    vocab = 10
+    bad = [
+        j
+        for j, v in enumerate(values)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, Integral) or not 0 <= v < vocab
+    ]
+    if not bad:
+        ids = validation._token_ids(values, "query", "invalid_query", vocab)
+        assert ids == [int(v) for v in values] and all(type(t) is int for t in ids)
+        assert ids is not values  # the caller's list is not kept
+    else:
+        with pytest.raises(ValidationError) as e:
+            validation._token_ids(values, "query", "invalid_query", vocab)
+        assert f"query[{bad[0]}]" in str(e.value)

@@ -45,22 +45,22 @@ class PackedChunk:
 def pack(batch: ScoreBatch, rows: np.ndarray, length: int) -> PackedChunk:
     """Pack the query and the batch rows `rows` into `length` tokens (at least as many as they
     hold), scoring bucket_count(len(rows)) positions."""
-    Q = batch.query_len
+    Q, rows = batch.query_len, np.asarray(rows, dtype=np.intp)
+    lens = batch.item_lens[rows]
+    ends = Q + np.cumsum(lens)  # each item's end; the rows' items run back to back from Q
+    starts, end = ends - lens, int(ends[-1]) if len(rows) else Q
     tokens = np.zeros(length, np.int32)
     positions = np.zeros(length, np.int32)
     seg_start = np.arange(length, dtype=np.int32)  # padding: a segment of its own
     tokens[:Q], positions[:Q], seg_start[:Q] = batch.query[:Q], np.arange(Q), 0
+    items = batch.items[rows]
+    tokens[Q:end] = items[np.arange(items.shape[1]) < lens[:, None]]  # row-major: in order
+    seg_start[Q:end] = np.repeat(starts, lens)
+    positions[Q:end] = np.arange(Q, end) - seg_start[Q:end] + Q
     score_index = np.zeros(bucket_count(len(rows)), np.int32)
-    start = Q
-    for slot, i in enumerate(rows):
-        n = int(batch.item_lens[i])
-        end = start + n
-        tokens[start:end] = batch.items[i, :n]
-        positions[start:end] = Q + np.arange(n)
-        seg_start[start:end] = start
-        score_index[slot] = end - 1 if n else Q - 1
-        start = end
-    return PackedChunk(tokens, positions, seg_start, Q, score_index, np.asarray(rows))
+    score_index[: len(rows)] = ends - 1
+    score_index[: len(rows)][lens == 0] = Q - 1  # an empty item: scored after the query
+    return PackedChunk(tokens, positions, seg_start, Q, score_index, rows)
 
 
 def plan(batch: ScoreBatch, max_tokens: int, max_items: int | None = None) -> Iterator[np.ndarray]:
