@@ -98,9 +98,11 @@ def test_a_partly_filled_step_runs_as_power_of_two_steps_rather_than_padding(sco
     for split, rows in [(128, [64, 32, 4]), (0, [128]), (400, [128])]:
         options = {"prefill_extend": {"split_padding_tokens": split}}
         scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
-        stats = scorer.get_backend("prefill_extend").score(batch).stats
-        assert [shape[0] for name, shape in stats.shapes if name == "score_items"] == rows, split
-        got = scorer.score(query, items, [3, 4], backend="prefill_extend").logprobs
+        out = scorer.get_backend("prefill_extend").score(batch)
+        shapes = out.stats.shapes
+        assert [shape[0] for name, shape in shapes if name == "score_items"] == rows, split
+        got = out.logprobs[: len(items), :2]  # the two labels; padded label columns after
+        assert out.valid[: len(items)].all()
         np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0, err_msg=str(split))
 
 
