@@ -224,7 +224,9 @@ def test_built_in_profiles_and_a_users_own(tmp_path, checkpoint_dir):
     for name in profiles.BUILT_IN:
         profile = profiles.built_in(name)
         assert profile.measured == (name in ("cpu", "h200")), name
-        assert profile.matmul_rate("bfloat16") > 0 and profile.memory_bandwidth > 0
+        assert profile.memory_bandwidth > 0
+        for dtype in ("float32", "bfloat16"):  # each profile prices both, measured in one or not
+            assert profile.matmul_rate(dtype) > 0, (name, dtype)
     assert profiles.for_device().name == "cpu"  # this machine
     for kind, name in [
         ("NVIDIA H200", "h200"),

@@ -45,9 +45,11 @@ class DeviceProfile:
     source: str = ""
 
     def matmul_rate(self, dtype: Any) -> float:
-        """FLOP/s for this dtype's matmuls (float32's if the profile lacks it)."""
+        """FLOP/s for this dtype's matmuls: float32's if the profile lacks it, and the slowest
+        it has if it lacks that too (a profile calibrated in one dtype only)."""
         name = jax.numpy.dtype(dtype).name
-        return self.matmul_flops.get(name) or self.matmul_flops["float32"]
+        rates = self.matmul_flops
+        return rates.get(name) or rates.get("float32") or min(rates.values())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DeviceProfile:
