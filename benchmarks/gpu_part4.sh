@@ -61,7 +61,7 @@ for part in "${parts[@]}"; do
     tuned)  # packed_segment again, on the tiles the sweep kept
       run 60 python benchmarks/gpu_backends.py --checkpoint "$checkpoint" --repeats 5 --no-hf \
         --backends packed_segment ;;
-    calibrate)  # the profile as measured: commit it as src/tpuscore/engine/profiles/h100.json
+    calibrate)  # the profile as measured: commit it as src/tpuscore/engine/profiles/<gpu>.json
       left=$((end - SECONDS))
       run "$left" python -m tpuscore.cli.calibrate --model "$checkpoint" --dtype bfloat16 \
         --budget-s $((left - 90)) --out "$out/profile.json" \

@@ -131,11 +131,13 @@ def test_token_ids_accept_exactly_ints_inside_the_vocabulary(values):
         for j, v in enumerate(values)
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, Integral) or not 0 <= v < vocab
     ]
-    if not bad:
-        ids = validation._token_ids(values, "query", "invalid_query", vocab)
-        assert ids == [int(v) for v in values] and all(type(t) is int for t in ids)
-        assert ids is not values  # the caller's list is not kept
-    else:
-        with pytest.raises(ValidationError) as e:
-            validation._token_ids(values, "query", "invalid_query", vocab)
-        assert f"query[{bad[0]}]" in str(e.value)
+    ints = all(type(v) is int for v in values)  # also as an int64 array
+    for given in [values, np.array(values, dtype=np.int64)] if ints else [values]:
+        if not bad:
+            ids = validation._token_ids(given, "query", "invalid_query", vocab)
+            assert ids == [int(v) for v in values] and all(type(t) is int for t in ids)
+            assert ids is not given  # the caller's list is not kept
+        else:
+            with pytest.raises(ValidationError) as e:
+                validation._token_ids(given, "query", "invalid_query", vocab)
+            assert f"query[{bad[0]}]" in str(e.value)

@@ -43,12 +43,21 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not isinstance(value, str)
 
 
+def _plain_ints(value: Any) -> list[int] | None:
+    """A copy of value as a list if it is an int array or a list of plain ints, else None (a
+    bad id is then named element by element)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist() if value.ndim == 1 and value.dtype.kind in "iu" else None
+    if isinstance(value, list) and set(map(type, value)) == {int}:
+        return list(value)
+    return None
+
+
 def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
     """A list of ints in [0, vocab_size), or the error saying which element is wrong and why."""
-    # The common case, a list of plain ints, checked at C speed (12,000 tokens: 0.1 ms, not 6).
-    plain = isinstance(value, list) and value and set(map(type, value)) == {int}
-    if plain and min(value) >= 0 and max(value) < vocab_size:
-        return list(value)
+    plain = _plain_ints(value)  # the common case, checked at C speed (12,000 ids: 0.1 ms, not 6)
+    if plain and min(plain) >= 0 and max(plain) < vocab_size:
+        return plain
     ids = []
     for j, t in enumerate(value):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral):
