@@ -11,6 +11,9 @@ Two passes per (head dim, dtype), over the packed layouts of `gpu_segment_kernel
 milliseconds over the layouts; one that fails the reference check is dropped. --write records
 the best per (head dim, dtype) for this GPU's device kind in
 src/tpuscore/kernels/segment/gpu_tiles.json, which packed_segment reads for its default tiles.
+Check the kept tiles in the model before committing them (`gpu_part4.sh tiles tuned`): on an
+H200 the kernel-only best, 32 x 128, scored the seeds' workload 22% slower than the default 64 x 64
+(docs/benchmarks.md), so a sweep of the kernel alone does not settle the model's tiles.
 """
 
 from __future__ import annotations
