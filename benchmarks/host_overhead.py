@@ -148,7 +148,9 @@ def main(argv=None):
     if interpreted and not args.host_only:
         backends.remove("packed_segment")  # Pallas interpret mode on CPU: not a host figure
     print(f"# Host time per step: {platform.node()}, {jax.devices()[0].device_kind}")
-    print(f"command: python {' '.join(sys.argv)}; jax {jax.__version__}; dtype {scorer.dtype}\n")
+    flags = os.environ.get("XLA_FLAGS", "")
+    print(f"command: python {' '.join(sys.argv)}; jax {jax.__version__}; dtype {scorer.dtype}; "
+          f"XLA_FLAGS {flags or '(none)'}\n")  # fmt: skip
     rng = np.random.default_rng(0)
     if args.host_only:
         print("| geometry | backend | prepare ms | plan ms | schedule + pack ms |")
