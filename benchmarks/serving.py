@@ -328,34 +328,26 @@ def main(argv: list[str] | None = None) -> None:
             )
     arrivals = arrivals[rates[0]]  # the other peers run at the first rate
 
-    if not args.skip_threads:
+    def on_threads(peer: str, how: str, score_one: Callable[[Request], object]) -> Outcome:
+        """The arrivals, each request a call of score_one on a pool of --workers threads."""
         with ThreadPoolExecutor(args.workers) as pool:
-            outcomes.append(
-                drive(
-                    f"tpuscore threads ({args.workers}), scorer.score",
-                    lambda r: pool.submit(score, r),
-                    requests_for(rng, len(arrivals), args, vocab),
-                    arrivals,
-                    timeout_s,
-                )
+            outcome = drive(
+                f"{peer} threads ({args.workers}), {how}",
+                lambda r: pool.submit(score_one, r),
+                requests_for(rng, len(arrivals), args, vocab),
+                arrivals,
+                timeout_s,
             )
             pool.shutdown(wait=False, cancel_futures=True)  # past the timeout: leave the rest
+        return outcome
 
+    if not args.skip_threads:
+        outcomes.append(on_threads("tpuscore", "scorer.score", score))
     if not args.skip_hf:
         hf = hf_score(hf_model(args, checkpoint), on_gpu=args.gpu)
         for r in requests_for(rng, 2, args, vocab):
             hf(r)
-        with ThreadPoolExecutor(args.workers) as pool:
-            outcomes.append(
-                drive(
-                    f"HF transformers threads ({args.workers}), prefill + items on its K/V",
-                    lambda r: pool.submit(hf, r),
-                    requests_for(rng, len(arrivals), args, vocab),
-                    arrivals,
-                    timeout_s,
-                )
-            )
-            pool.shutdown(wait=False, cancel_futures=True)  # past the timeout: leave the rest
+        outcomes.append(on_threads("HF transformers", "prefill + items on its K/V", hf))
 
     print_table(outcomes)
     print(f"\n- load average at end: {os.getloadavg()[0]:.2f}")
