@@ -219,8 +219,8 @@ def soak(scorers):
             phase("expired")
             burst = [score_request(rng, vocab) for _ in range(2 * MAX_PENDING)]
             burst_futures = [asyncio.ensure_future(send(c, "/v1/score", b)) for b in burst]
-            # Release the worker once the turned-away half has its answers (at most 10 s): a
-            # fixed wait let a loaded CI machine release it before the burst had all arrived.
+            # Release the worker once half the turned-away requests have their answers (at most
+            # 10 s): a fixed wait let a loaded CI machine release it before the burst arrived.
             deadline = time.monotonic() + 10
             while sum(f.done() for f in burst_futures) < MAX_PENDING // 2:
                 if time.monotonic() > deadline:
