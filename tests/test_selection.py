@@ -267,8 +267,7 @@ def test_the_h100_profile_picks_within_25_percent_of_what_an_h100_measured():
         for axis in ("by_items", "by_query")
         for i, x in enumerate(measured[axis]["x"])
     ]  # fmt: skip
-    pool = abstract_pool(QWEN3_0_6B, 10 << 30)  # an eighth of the H100's 80 GB
-    pool.get("packed_segment").block_sizes = GpuBlockSizes()  # the GPU kernel's tiles
+    pool = gpu_pool()
     model = selection.CostModel(profiles.built_in("h100"), platform="gpu")
     for q, n, items_per_s in points:
         batch = make_batch(list(range(1, q + 1)), [[7] * 16] * n, [5, 6], item_first=False)
@@ -276,14 +275,20 @@ def test_the_h100_profile_picks_within_25_percent_of_what_an_h100_measured():
         assert max(items_per_s.values()) / items_per_s[pick] <= 1.25, (q, n, pick, items_per_s)
 
 
-def calibration_pool(name):
-    """The backends a calibration run priced: the default model on the CPU; on the H200 the
-    random Qwen3-0.6B, packed_segment with the GPU kernel's tiles."""
-    if name == "cpu":
-        return BackendPool(Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32)), None)
+def gpu_pool():
+    """The random Qwen3-0.6B's backends as on a GPU: an eighth of an H100's 80 GB, and
+    packed_segment with the GPU kernel's tiles."""
     pool = abstract_pool(QWEN3_0_6B, 10 << 30)
     pool.get("packed_segment").block_sizes = GpuBlockSizes()
     return pool
+
+
+def calibration_pool(name):
+    """The backends a calibration run priced: the default model on the CPU, `gpu_pool` on the
+    H200."""
+    if name == "cpu":
+        return BackendPool(Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32)), None)
+    return gpu_pool()
 
 
 @pytest.mark.parametrize("name, platform", [("cpu", "cpu"), ("h200", "gpu")])
