@@ -18,10 +18,10 @@ from tpuscore import Scorer, ValidationError
 from tpuscore.backends.contract import ShapeLimits, make_batch
 
 CASE = "qwen3_qknorm"
-LIMITS = {"query_tokens": 30, "item_tokens": 8, "labels": 2}
+LIMITS = {"query_tokens": 30, "item_tokens": 4, "labels": 2}
 BACKENDS = ("prefill_extend", "packed_dense", "serial")
 # Small steps: a few row buckets per length, queries prefilled in chunks of 16, so the set is
-# about 40 shapes and requests span several steps of each backend.
+# about 30 shapes and requests span several steps of each backend.
 OPTIONS = {
     "prefill_extend": {"batch_items": 4, "prefill_chunk": 16, "activation_bytes": 100_000},
     "packed_dense": {"activation_bytes": 100_000},
