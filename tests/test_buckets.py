@@ -30,7 +30,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng):
     scorer = scorers("qwen3_qknorm")
     vocab = scorer.config.vocab_size
     requests = []
-    for _ in range(30):
+    for _ in range(16):
         query = random_tokens(rng, int(rng.integers(0, 200)), vocab)
         items = [
             random_tokens(rng, int(n), vocab) for n in rng.integers(1, 50, rng.integers(1, 40))
