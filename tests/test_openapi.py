@@ -22,7 +22,7 @@ CASE = "qwen3_qknorm"
 # Small limits bound what the fuzzer can send, and so the shapes the model compiles for it.
 MAX_BODY_BYTES = 128 << 10
 MAX_ITEMS = 8
-EXAMPLES_PER_OPERATION = 20
+EXAMPLES_PER_OPERATION = 12
 REQUEST_TIMEOUT_S = 60
 # The fuzz run's time bound: examples drawn after it are not sent. The run takes about a minute
 # on a 2-core machine busy with other jobs.
