@@ -153,7 +153,10 @@ def test_mixed_weights_keep_the_model_axis_as_bits(params, requests):
     placed as their float32 originals would be, given back as bfloat16 by `Scorer.params`, and
     scored as the unsharded mixed scorer scores, up to bfloat16's rounding: the model axis
     reorders float32 sums, and an ulp there can flip the rounding of a matmul's bfloat16 input
-    (2**-9 of it), so 1e-3 rather than float32's 1e-5 (measured: 3e-5)."""
+    (2**-9 of it). Measured over 12 random checkpoints x 3 backends: the median difference is
+    5e-7, but 5 of 36 score sets hold one such flip, which moves a logprob by 0.8-1.1e-3 (a
+    tenth of mixed's own distance from float32 there). So most scores must agree to float32's
+    1e-5, and every score within 2**-8, a bfloat16 ulp at 1."""
     mesh = mesh_of(2, 4)
     scorer = Scorer(CONFIG, params, None, dtype="mixed", mesh=mesh)
     held, given = scorer.engine.model.params["layers"], scorer.params["layers"]
@@ -165,8 +168,11 @@ def test_mixed_weights_keep_the_model_axis_as_bits(params, requests):
     for backend in ("serial", "prefill_extend", "packed_dense"):
         got = scorer.score_batch(requests, backend=backend)
         want = unsharded.score_batch(requests, backend=backend)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-3, rtol=0)
+        diffs = np.concatenate(
+            [np.abs(g.logprobs - w.logprobs).ravel() for g, w in zip(got, want, strict=True)]
+        )
+        assert np.median(diffs) < 1e-5, (backend, np.median(diffs))
+        assert diffs.max() < 2**-8, (backend, diffs.max())
 
 
 def test_loglikelihood_sharded_equals_unsharded(params, unsharded, rng):
