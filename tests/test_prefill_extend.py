@@ -1,12 +1,15 @@
-"""prefill_extend against serial: same scores, whatever the item count, lengths and query."""
+"""prefill_extend against serial (and transformers): same scores, whatever the item count,
+lengths and query."""
 
 import numpy as np
 import pytest
 
 from helpers import random_tokens
+from hf_reference import hf_logprobs
 from tpuscore import Scorer, ValidationError
+from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend.backend import bucket_item_tokens
+from tpuscore.backends.prefill_extend.backend import bucket_item_tokens, prefill_key_blocks
 
 ATOL = 1e-4  # float32
 
@@ -70,6 +73,26 @@ def test_a_query_longer_than_one_prefill_chunk(scorers, rng):
     assert [name for name, _ in stats.shapes].count("prefill") == 3
     fast = scorer.score(query, items, [3, 4], backend="prefill_extend")
     np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "gemma2_window"])
+def test_a_chunked_prefill_skips_key_blocks_and_matches_transformers(
+    case, checkpoint_dir, scorers, rng
+):
+    """A 200-token query in chunks of 32 meets its 256-position buffer in 8 key blocks, each
+    chunk skipping the blocks no earlier chunk filled; on Gemma 2's sliding layer (window 7) a
+    block's keys keep their own positions."""
+    base = scorers(case)
+    options = {"prefill_extend": {"prefill_chunk": 32}}
+    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    assert prefill_key_blocks(bucket_tokens(32), bucket_prefix(200)) == 8
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 200, vocab)
+    items = _items(rng, 4, vocab, max_len=12)
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    expected = hf_logprobs(checkpoint_dir(case), [query + item for item in items], labels)
+    got = scorer.score(query, items, labels, backend="prefill_extend").logprobs
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow  # long

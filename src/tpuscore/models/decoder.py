@@ -159,16 +159,17 @@ def _prefix_parts(
     prefix_mask: jax.Array,
     layer: LayerAttention | None = None,
     positions: jax.Array | None = None,
+    key_offset: int = 0,
 ):
     """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
 
     prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. With a window (layer.window not None),
     the tokens' positions [T] (the same in every row) limit each to the prefix keys inside its
-    window. The B*T query tokens meet the prefix in
-    [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the prefix is never copied per row.
-    Blocks keep the float32 scores small enough to stay in cache between the two matmuls and the
-    exp, which on CPU would otherwise be bound by memory. Returns o [B,T,K,G,H], max and exp sum
-    [B,T,K,G,1].
+    window, the prefix's first key sitting at position key_offset. The B*T query tokens meet the
+    prefix in [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the prefix is never copied
+    per row. Blocks keep the float32 scores small enough to stay in cache between the two
+    matmuls and the exp, which on CPU would otherwise be bound by memory. Returns o [B,T,K,G,H],
+    max and exp sum [B,T,K,G,1].
     """
     B, T, N, H = q.shape
     K, P = prefix_k.shape[0], prefix_k.shape[2]
@@ -184,7 +185,7 @@ def _prefix_parts(
         scores = _scores(q, prefix_k, layer)  # [K, G*t, P]
         mask = prefix_mask
         if windowed:  # [t, P], repeated over the G query heads of each token
-            window = within_window(pos, jnp.arange(P), layer.window) & prefix_mask
+            window = within_window(pos, key_offset + jnp.arange(P), layer.window) & prefix_mask
             mask = jnp.broadcast_to(window, (G, t, P)).reshape(G * t, P)
         m, e, total = _masked_exp(scores, mask)
         return _matmul(e.astype(prefix_v.dtype), prefix_v), m, total
@@ -193,6 +194,36 @@ def _prefix_parts(
         return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
 
     return tuple(map(to_btkg, jax.lax.map(block, (q, block_pos))))
+
+
+def _skippable_prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions, length, blocks):
+    """`_prefix_parts` over `blocks` equal key blocks of the prefix, each run only if it holds a
+    key before `length` (lax.cond): a query prefilled in chunks reads, in each chunk, only the
+    blocks its earlier chunks filled rather than the whole buffer. A skipped block is an empty
+    part (no key: max finfo.min, sums 0), which `_merge` weighs as exactly zero. Returns the
+    parts, for `_merge`."""
+    P = prefix_k.shape[-1]
+    width = P // blocks
+    assert width * blocks == P, (P, blocks)
+    B, T, N, H = q.shape
+    K, G = prefix_k.shape[0], N // prefix_k.shape[0]
+    empty = (
+        jnp.zeros((B, T, K, G, H), f32),
+        jnp.full((B, T, K, G, 1), jnp.finfo(f32).min),
+        jnp.zeros((B, T, K, G, 1), f32),
+    )
+    parts = []
+    for j in range(blocks):
+        keys = slice(j * width, (j + 1) * width)
+
+        def run(j=j, keys=keys):
+            return _prefix_parts(
+                q, prefix_k[..., keys], prefix_v[..., keys, :], prefix_mask[keys], layer,
+                positions, key_offset=j * width,
+            )  # fmt: skip
+
+        parts.append(jax.lax.cond(j * width < length, run, lambda: empty))
+    return parts
 
 
 def _merge(*parts) -> jax.Array:
@@ -345,6 +376,7 @@ def extend(
     *,
     rows: jax.Array | None = None,
     return_kv: bool = False,
+    prefix_blocks: int = 1,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -357,6 +389,9 @@ def extend(
     window on sliding layers. The two attention parts are
     merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
 
+    prefix_blocks > 1 (a shared prefix only): the prefix is met in that many key blocks, each
+    skipped where it holds no key before the prefix's length (`_skippable_prefix_parts`).
+
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
     B, T = tokens.shape
@@ -367,12 +402,16 @@ def extend(
     prefix_mask = jnp.arange(P) < length  # [P] or [B, P]
 
     def prefix_parts(q, prefix_k, prefix_v, layer):
+        if rows is None and prefix_blocks > 1:
+            return _skippable_prefix_parts(
+                q, prefix_k, prefix_v, prefix_mask, layer, positions[0], length, prefix_blocks
+            )
         if rows is None:
-            return _prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions[0])
+            return [_prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions[0])]
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
         own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
-        return _own_parts(q, k, v, own_mask, layer)
+        return [_own_parts(q, k, v, own_mask, layer)]
 
     def step(x, layer_inputs):
         p, prefix_k, prefix_v, window = layer_inputs
@@ -380,7 +419,9 @@ def extend(
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
         own_mask = mask & within_window(positions, positions, window)
-        o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
+        o = _merge(
+            *prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer)
+        )
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)

@@ -44,6 +44,7 @@ from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.buckets import (
     MIN_TOKEN_BUCKET,
+    bucket_count,
     bucket_prefix,
     bucket_tokens,
     pow2_floor,
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
+MAX_PREFILL_KEY_BLOCKS = 8
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
 # Padding (in item tokens) past which an extend step on CPU runs as steps of power-of-two rows.
 # A CPU step's fixed cost, mostly reading every weight once, is worth about 30 tokens of compute
@@ -109,6 +111,14 @@ class PrefillExtendOptions:
                 check_int(name, getattr(self, name), minimum=minimum)
 
 
+def prefill_key_blocks(chunk: int, size: int) -> int:
+    """Key blocks a prefill chunk of `chunk` tokens meets its prefix buffer of `size` positions
+    in (a power of two, so they divide it): blocks about a chunk wide, so each chunk of a long
+    query skips the blocks past the chunks before it (`decoder.extend`'s prefix_blocks), and at
+    most MAX_PREFILL_KEY_BLOCKS, each a copy of the attention in the compiled step."""
+    return max(1, min(size // bucket_count(chunk), MAX_PREFILL_KEY_BLOCKS))
+
+
 def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: int) -> jax.Array:
     """cached with new written from position `at` along axis, holding `size` positions."""
     # Room for R more positions past the larger of both sizes, so no write is clipped.
@@ -131,7 +141,10 @@ def prefill(
     """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions."""
     R = tokens.shape[1]
     causal = jnp.tril(jnp.ones((1, R, R), bool))
-    hidden, (k, v) = decoder.extend(params, config, prefix, tokens, causal, return_kv=True)
+    hidden, (k, v) = decoder.extend(
+        params, config, prefix, tokens, causal, return_kv=True,
+        prefix_blocks=prefill_key_blocks(R, prefix.k.shape[-1]),
+    )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
     return Prefix(
