@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
-MAX_PREFILL_KEY_BLOCKS = 8
+MAX_PREFILL_KEY_BLOCKS = 8  # key blocks a prefill chunk skips by (`prefill_key_blocks`)
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
 # Padding (in item tokens) past which an extend step on CPU runs as steps of power-of-two rows.
 # A CPU step's fixed cost, mostly reading every weight once, is worth about 30 tokens of compute
