@@ -32,8 +32,8 @@ INPUT_OF = {
 }  # fmt: skip
 CALIBRATION = (
     "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers."
-    "\nQ: What is two plus two?\nA: Four.\n<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant"
-    "\nHi there."
+    "\nQ: What is two plus two?\nA: Four.\n<|im_start|>user\nHello!<|im_end|>\n"
+    "<|im_start|>assistant\nHi there."
 )
 
 
