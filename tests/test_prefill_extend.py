@@ -1,6 +1,8 @@
 """prefill_extend against serial (and transformers): same scores, whatever the item count,
 lengths and query."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,7 +11,9 @@ from hf_reference import hf_logprobs
 from tpuscore import Scorer, ValidationError
 from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend.backend import bucket_item_tokens, prefill_key_blocks
+from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.prefill_extend.backend import bucket_item_tokens
+from tpuscore.models import decoder
 
 ATOL = 1e-4  # float32
 
@@ -85,7 +89,7 @@ def test_a_chunked_prefill_skips_key_blocks_and_matches_transformers(
     base = scorers(case)
     options = {"prefill_extend": {"prefill_chunk": 32}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
-    assert prefill_key_blocks(bucket_tokens(32), bucket_prefix(200)) == 8
+    assert prefill_extend.key_blocks(bucket_prefix(200), bucket_tokens(32)) == 8
     vocab = scorer.config.vocab_size
     query = random_tokens(rng, 200, vocab)
     items = _items(rng, 4, vocab, max_len=12)
@@ -93,6 +97,57 @@ def test_a_chunked_prefill_skips_key_blocks_and_matches_transformers(
     expected = hf_logprobs(checkpoint_dir(case), [query + item for item in items], labels)
     got = scorer.score(query, items, labels, backend="prefill_extend").logprobs
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.fixture
+def narrow_key_blocks(monkeypatch):
+    """Extend steps meet a query's K/V in key blocks of 32 positions (256 by default, wider than
+    the test checkpoints' 512-position limit allows a skip in). The block count is fixed when
+    a step is traced, so JAX's caches are cleared on the way in and out (the executables load
+    back from the run's persistent cache)."""
+    monkeypatch.setattr(prefill_extend, "KEY_BLOCK_TOKENS", 32)
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "gemma2_window"])
+def test_items_skip_the_key_blocks_past_their_query_and_match_transformers(
+    case, checkpoint_dir, scorers, rng, narrow_key_blocks
+):
+    """A 140-token query's K/V holds 256 positions, met by extend steps in 8 key blocks of 32:
+    the items run the first 5 and skip the bucket's padding; on Gemma 2's sliding layer (window
+    7) only the last block run holds keys inside the window."""
+    scorer = scorers(case)
+    assert prefill_extend.key_blocks(bucket_prefix(140)) == 8
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 140, vocab)
+    items = _items(rng, 3, vocab, max_len=12)
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    expected = hf_logprobs(checkpoint_dir(case), [query + item for item in items], labels)
+    got = scorer.score(query, items, labels, backend="prefill_extend").logprobs
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+def test_skipped_key_blocks_are_never_read(rng):
+    """The shared-prefix attention in 4 key blocks of a 64-position prefix holding 37 keys: the
+    fourth block, filled with NaN, is never read (a read would spread NaN through p.v even where
+    masked), and the result equals one block over the whole prefix within float rounding."""
+    K, G, H, P, length = 2, 3, 8, 64, 37
+    q = jnp.asarray(rng.standard_normal((2, 5, K * G, H)), jnp.float32)
+    prefix_k = rng.standard_normal((K, H, P)).astype(np.float32)
+    prefix_v = rng.standard_normal((K, P, H)).astype(np.float32)
+    prefix_mask = jnp.arange(P) < length
+    whole = decoder._merge(decoder._prefix_parts(q, prefix_k, prefix_v, prefix_mask))
+    prefix_k[..., 48:], prefix_v[:, 48:] = np.nan, np.nan
+    blocks = decoder._merge(
+        decoder._prefix_parts(
+            q, prefix_k, prefix_v, prefix_mask, key_blocks=4, length=jnp.asarray(length)
+        )
+    )
+    assert np.isfinite(np.asarray(blocks)).all()
+    np.testing.assert_allclose(blocks, whole, atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow  # long

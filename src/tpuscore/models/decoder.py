@@ -159,36 +159,60 @@ def _prefix_parts(
     prefix_mask: jax.Array,
     layer: LayerAttention | None = None,
     positions: jax.Array | None = None,
-    key_offset: int = 0,
+    key_blocks: int = 1,
+    length: jax.Array | None = None,
 ):
     """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
 
     prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. With a window (layer.window not None),
     the tokens' positions [T] (the same in every row) limit each to the prefix keys inside its
-    window, the prefix's first key sitting at position key_offset. The B*T query tokens meet the
-    prefix in [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the prefix is never copied
-    per row. Blocks keep the float32 scores small enough to stay in cache between the two
-    matmuls and the exp, which on CPU would otherwise be bound by memory. Returns o [B,T,K,G,H],
-    max and exp sum [B,T,K,G,1].
+    window. The B*T query tokens meet the prefix in [K, G*t, H] @ [K, H, P] matmuls over blocks of
+    t tokens; the prefix is never copied per row. Blocks keep the float32 scores small enough to
+    stay in cache between the two matmuls and the exp, which on CPU would otherwise be bound by
+    memory.
+
+    key_blocks > 1: the prefix is met in that many equal key blocks (dividing P), in order, and
+    only those holding a key before `length` (a loop with a dynamic trip count, merging each
+    block's part as it goes, as flash attention does): keys the bucket pads the prefix with are
+    not computed. Returns o [B,T,K,G,H], max and exp sum [B,T,K,G,1].
     """
     B, T, N, H = q.shape
     K, P = prefix_k.shape[0], prefix_k.shape[2]
     G = N // K
-    t = score_block_tokens(B * T, bytes_per_token=N * P * 4)
+    width = P // key_blocks
+    assert width * key_blocks == P, (P, key_blocks)
+    t = score_block_tokens(B * T, bytes_per_token=N * width * 4)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
     windowed = layer is not None and layer.window is not None
     # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[i].
     block_pos = jnp.tile(positions, B).reshape(-1, t) if windowed else jnp.zeros((len(q), 1))
 
+    def part(q, pos, keys):
+        """One key block's part: keys [K, H, width] from position keys.start on."""
+        k = jax.lax.dynamic_slice_in_dim(prefix_k, keys, width, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(prefix_v, keys, width, axis=1)
+        mask = jax.lax.dynamic_slice_in_dim(prefix_mask, keys, width)
+        scores = _scores(q, k, layer)  # [K, G*t, width]
+        if windowed:  # [t, width], repeated over the G query heads of each token
+            window = within_window(pos, keys + jnp.arange(width), layer.window) & mask
+            mask = jnp.broadcast_to(window, (G, t, width)).reshape(G * t, width)
+        m, e, total = _masked_exp(scores, mask)
+        return _matmul(e.astype(v.dtype), v), m, total
+
     def block(args):
         q, pos = args
-        scores = _scores(q, prefix_k, layer)  # [K, G*t, P]
-        mask = prefix_mask
-        if windowed:  # [t, P], repeated over the G query heads of each token
-            window = within_window(pos, key_offset + jnp.arange(P), layer.window) & prefix_mask
-            mask = jnp.broadcast_to(window, (G, t, P)).reshape(G * t, P)
-        m, e, total = _masked_exp(scores, mask)
-        return _matmul(e.astype(prefix_v.dtype), prefix_v), m, total
+        if key_blocks == 1:
+            return part(q, pos, 0)
+
+        def merge_next(j, parts):
+            return _merge_parts(parts, part(q, pos, j * width))
+
+        empty = (
+            jnp.zeros((K, G * t, H), f32),
+            jnp.full((K, G * t, 1), jnp.finfo(f32).min),
+            jnp.zeros((K, G * t, 1), f32),
+        )
+        return jax.lax.fori_loop(0, -(-length // width), merge_next, empty)
 
     def to_btkg(x):
         return x.reshape(-1, K, G, t, x.shape[-1]).transpose(0, 3, 1, 2, 4).reshape(B, T, K, G, -1)
@@ -196,42 +220,17 @@ def _prefix_parts(
     return tuple(map(to_btkg, jax.lax.map(block, (q, block_pos))))
 
 
-def _skippable_prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions, length, blocks):
-    """`_prefix_parts` over `blocks` equal key blocks of the prefix, each run only if it holds a
-    key before `length` (lax.cond): a query prefilled in chunks reads, in each chunk, only the
-    blocks its earlier chunks filled rather than the whole buffer. A skipped block is an empty
-    part (no key: max finfo.min, sums 0), which `_merge` weighs as exactly zero. Returns the
-    parts, for `_merge`."""
-    P = prefix_k.shape[-1]
-    width = P // blocks
-    assert width * blocks == P, (P, blocks)
-    B, T, N, H = q.shape
-    K, G = prefix_k.shape[0], N // prefix_k.shape[0]
-    empty = (
-        jnp.zeros((B, T, K, G, H), f32),
-        jnp.full((B, T, K, G, 1), jnp.finfo(f32).min),
-        jnp.zeros((B, T, K, G, 1), f32),
-    )
-    parts = []
-    for j in range(blocks):
-        keys = slice(j * width, (j + 1) * width)
-
-        def run(j=j, keys=keys):
-            return _prefix_parts(
-                q, prefix_k[..., keys], prefix_v[..., keys, :], prefix_mask[keys], layer,
-                positions, key_offset=j * width,
-            )  # fmt: skip
-
-        parts.append(jax.lax.cond(j * width < length, run, lambda: empty))
-    return parts
+def _merge_parts(a, b):
+    """Two unnormalized parts over disjoint key sets as one: (o, max, exp sum)."""
+    (oa, ma, la), (ob, mb, lb) = a, b
+    m = jnp.maximum(ma, mb)
+    sa, sb = jnp.exp(ma - m), jnp.exp(mb - m)
+    return oa * sa + ob * sb, m, la * sa + lb * sb
 
 
 def _merge(*parts) -> jax.Array:
     """Exact softmax attention [B,T,N,H] from partial results over disjoint key sets."""
-    m = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
-    scales = [jnp.exp(mi - m) for _, mi, _ in parts]
-    o = sum(oi * s for (oi, _, _), s in zip(parts, scales, strict=True))
-    total = sum(li * s for (_, _, li), s in zip(parts, scales, strict=True))
+    o, _, total = functools.reduce(_merge_parts, parts)
     B, T, K, G, H = o.shape
     return (o / total).reshape(B, T, K * G, H)
 
@@ -389,8 +388,8 @@ def extend(
     window on sliding layers. The two attention parts are
     merged exactly through their log-sum-exp (Hydragen, arXiv 2402.05099).
 
-    prefix_blocks > 1 (a shared prefix only): the prefix is met in that many key blocks, each
-    skipped where it holds no key before the prefix's length (`_skippable_prefix_parts`).
+    prefix_blocks > 1 (a shared prefix only): the prefix is met in that many key blocks, those
+    past the prefix's length skipped (`_prefix_parts`).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
@@ -402,12 +401,12 @@ def extend(
     prefix_mask = jnp.arange(P) < length  # [P] or [B, P]
 
     def prefix_parts(q, prefix_k, prefix_v, layer):
-        if rows is None and prefix_blocks > 1:
-            return _skippable_prefix_parts(
-                q, prefix_k, prefix_v, prefix_mask, layer, positions[0], length, prefix_blocks
-            )
         if rows is None:
-            return [_prefix_parts(q, prefix_k, prefix_v, prefix_mask, layer, positions[0])]
+            return [
+                _prefix_parts(
+                    q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
+                )
+            ]
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
         own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)

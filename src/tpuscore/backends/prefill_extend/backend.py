@@ -71,7 +71,9 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
-MAX_PREFILL_KEY_BLOCKS = 8  # key blocks a prefill chunk skips by (`prefill_key_blocks`)
+# A step meets its query's K/V in key blocks and skips those past the query's length (`key_blocks`).
+MAX_KEY_BLOCKS = 8
+KEY_BLOCK_TOKENS = 256  # an extend step's narrowest key block
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
 # Padding (in item tokens) past which an extend step on CPU runs as steps of power-of-two rows.
 # A CPU step's fixed cost, mostly reading every weight once, is worth about 30 tokens of compute
@@ -111,12 +113,17 @@ class PrefillExtendOptions:
                 check_int(name, getattr(self, name), minimum=minimum)
 
 
-def prefill_key_blocks(chunk: int, size: int) -> int:
-    """Key blocks a prefill chunk of `chunk` tokens meets its prefix buffer of `size` positions
-    in (a power of two, so they divide it): blocks about a chunk wide, so each chunk of a long
-    query skips the blocks past the chunks before it (`decoder.extend`'s prefix_blocks), and at
-    most MAX_PREFILL_KEY_BLOCKS, each a copy of the attention in the compiled step."""
-    return max(1, min(size // bucket_count(chunk), MAX_PREFILL_KEY_BLOCKS))
+def key_blocks(size: int, width: int | None = None) -> int:
+    """Key blocks a step meets its query's K/V buffer of `size` positions in (a power of two, so
+    they divide it): blocks at least `width` wide (a prefill chunk's own length; default
+    KEY_BLOCK_TOKENS), at most MAX_KEY_BLOCKS. The blocks past the query's length are skipped
+    (`decoder.extend`'s prefix_blocks): the padding `bucket_prefix` adds is not computed, nor, in
+    a long query's prefill, the chunks not run yet. On CPU only: on a GPU, XLA runs a loop of
+    dynamic trip count by reading its condition back to the host every block (not measured
+    there), so accelerators keep one block."""
+    if jax.default_backend() != "cpu":
+        return 1
+    return max(1, min(size // bucket_count(width or KEY_BLOCK_TOKENS), MAX_KEY_BLOCKS))
 
 
 def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: int) -> jax.Array:
@@ -143,7 +150,7 @@ def prefill(
     causal = jnp.tril(jnp.ones((1, R, R), bool))
     hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
-        prefix_blocks=prefill_key_blocks(R, prefix.k.shape[-1]),
+        prefix_blocks=key_blocks(prefix.k.shape[-1], R),
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -198,7 +205,8 @@ def score_items(
     """
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, config, prefix, items, causal)
+    blocks = key_blocks(prefix.k.shape[-1])
+    hidden, _ = decoder.extend(params, config, prefix, items, causal, prefix_blocks=blocks)
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
     if label_ids.ndim == 2:
