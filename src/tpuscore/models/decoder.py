@@ -187,14 +187,14 @@ def _prefix_parts(
     # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[i].
     block_pos = jnp.tile(positions, B).reshape(-1, t) if windowed else jnp.zeros((len(q), 1))
 
-    def part(q, pos, keys):
-        """One key block's part: keys [K, H, width] from position keys.start on."""
-        k = jax.lax.dynamic_slice_in_dim(prefix_k, keys, width, axis=2)
-        v = jax.lax.dynamic_slice_in_dim(prefix_v, keys, width, axis=1)
-        mask = jax.lax.dynamic_slice_in_dim(prefix_mask, keys, width)
+    def part(q, pos, start):
+        """The part of the `width` keys from position `start` on."""
+        k = jax.lax.dynamic_slice_in_dim(prefix_k, start, width, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(prefix_v, start, width, axis=1)
+        mask = jax.lax.dynamic_slice_in_dim(prefix_mask, start, width)
         scores = _scores(q, k, layer)  # [K, G*t, width]
         if windowed:  # [t, width], repeated over the G query heads of each token
-            window = within_window(pos, keys + jnp.arange(width), layer.window) & mask
+            window = within_window(pos, start + jnp.arange(width), layer.window) & mask
             mask = jnp.broadcast_to(window, (G, t, width)).reshape(G * t, width)
         m, e, total = _masked_exp(scores, mask)
         return _matmul(e.astype(v.dtype), v), m, total
