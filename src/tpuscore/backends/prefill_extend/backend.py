@@ -373,7 +373,10 @@ class PrefillExtendBackend(Budgeted):
 
     def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
         """What each step of `schedule(batches)` does (for `selection.py`), with the prefix cache
-        as it is now. Every step's peak holds the K/V of its wave's queries."""
+        as it is now. Every step's peak holds the K/V of its wave's queries. Attention is priced
+        over the whole K/V buffer, key blocks skipped or not (`key_blocks`): the shipped CPU
+        profile was fit on timings taken before extend steps skipped any, so the skipping is
+        left out of the price until a recalibration measures it (an overestimate, never under)."""
         config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
         steps = []
         for wave in self.schedule(batches):
