@@ -90,13 +90,7 @@ def test_a_chunked_prefill_skips_key_blocks_and_matches_transformers(
     options = {"prefill_extend": {"prefill_chunk": 32}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
     assert prefill_extend.key_blocks(bucket_prefix(200), bucket_tokens(32)) == 8
-    vocab = scorer.config.vocab_size
-    query = random_tokens(rng, 200, vocab)
-    items = _items(rng, 4, vocab, max_len=12)
-    labels = rng.choice(vocab, size=3, replace=False).tolist()
-    expected = hf_logprobs(checkpoint_dir(case), [query + item for item in items], labels)
-    got = scorer.score(query, items, labels, backend="prefill_extend").logprobs
-    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    _check_against_transformers(scorer, checkpoint_dir(case), rng, query_len=200, count=4)
 
 
 @pytest.fixture
@@ -121,11 +115,17 @@ def test_items_skip_the_key_blocks_past_their_query_and_match_transformers(
     7) only the last block run holds keys inside the window."""
     scorer = scorers(case)
     assert prefill_extend.key_blocks(bucket_prefix(140)) == 8
+    _check_against_transformers(scorer, checkpoint_dir(case), rng, query_len=140, count=3)
+
+
+def _check_against_transformers(scorer, checkpoint, rng, query_len: int, count: int):
+    """A random query of query_len tokens and count items of up to 11: prefill_extend's scores
+    equal transformers'."""
     vocab = scorer.config.vocab_size
-    query = random_tokens(rng, 140, vocab)
-    items = _items(rng, 3, vocab, max_len=12)
+    query = random_tokens(rng, query_len, vocab)
+    items = _items(rng, count, vocab, max_len=12)
     labels = rng.choice(vocab, size=3, replace=False).tolist()
-    expected = hf_logprobs(checkpoint_dir(case), [query + item for item in items], labels)
+    expected = hf_logprobs(checkpoint, [query + item for item in items], labels)
     got = scorer.score(query, items, labels, backend="prefill_extend").logprobs
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
