@@ -402,15 +402,13 @@ def extend(
 
     def prefix_parts(q, prefix_k, prefix_v, layer):
         if rows is None:
-            return [
-                _prefix_parts(
-                    q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
-                )
-            ]
+            return _prefix_parts(
+                q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
+            )
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
         own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
-        return [_own_parts(q, k, v, own_mask, layer)]
+        return _own_parts(q, k, v, own_mask, layer)
 
     def step(x, layer_inputs):
         p, prefix_k, prefix_v, window = layer_inputs
@@ -418,9 +416,7 @@ def extend(
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
         own_mask = mask & within_window(positions, positions, window)
-        o = _merge(
-            *prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer)
-        )
+        o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
