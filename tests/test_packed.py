@@ -122,7 +122,10 @@ def test_changing_one_item_leaves_the_others_unchanged(scorers, rng, backend, sa
     before = scorer.score(query, items, [1, 2, 3], backend=backend).logprobs
     after = scorer.score(query, changed, [1, 2, 3], backend=backend).logprobs
     others = np.arange(len(items)) != j
-    np.testing.assert_allclose(after[others], before[others], atol=1e-6, rtol=0)
+    if same_length:  # the same shapes and the others' same positions: bit-identical
+        np.testing.assert_array_equal(after[others], before[others])
+    else:  # the items after j move in a longer row, so sums reorder: float32 rounding only
+        np.testing.assert_array_max_ulp(after[others], before[others], maxulp=8)
     assert not np.allclose(after[j], before[j], atol=1e-6)  # the change itself did reach item j
 
 
