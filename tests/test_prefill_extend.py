@@ -151,6 +151,47 @@ def test_skipped_key_blocks_are_never_read(rng):
 
 
 @pytest.mark.slow  # long
+def test_an_extend_step_reads_the_keys_its_price_counts(scorers, rng, narrow_key_blocks):
+    """A 70-token query's K/V holds 128 positions, met in blocks of 32: the step reads 96
+    (`keys_read`, what `work` prices). NaN written from position 96 on leaves the scores
+    finite; one NaN at position 95 (padding, masked, but in the last block read) does not."""
+    scorer = scorers("llama_gqa_untied")
+    config = scorer.config
+    P = bucket_prefix(70)
+    assert prefill_extend.keys_read(P, 70) == 96 and P == 128
+    shape = (config.num_layers, config.num_kv_heads, config.head_dim, P)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape).swapaxes(2, 3)
+    items = jnp.asarray([random_tokens(rng, 5, config.vocab_size) for _ in range(2)], jnp.int32)
+
+    def scores(poison: slice) -> np.ndarray:
+        kp, vp = k.copy(), v.copy()
+        kp[..., poison], vp[..., poison, :] = np.nan, np.nan
+        prefix = decoder.Prefix(
+            k=jnp.asarray(kp, jnp.float32), v=jnp.asarray(vp, jnp.float32),
+            length=jnp.int32(70), last_hidden=jnp.zeros(config.hidden_size, jnp.float32),
+        )  # fmt: skip
+        lens, labels = jnp.asarray([5, 5]), jnp.asarray([1, 2])
+        got = prefill_extend.score_items(scorer.params, prefix, items, lens, labels, config)
+        return np.asarray(got)
+
+    assert np.isfinite(scores(slice(96, None))).all()
+    assert np.isnan(scores(slice(95, 96))).all()
+
+
+def test_an_extend_step_is_priced_by_the_key_blocks_it_reads(scorers, rng, narrow_key_blocks):
+    """Queries of 70 and 96 tokens (K/V of 128 positions, blocks of 32) read 3 blocks and are
+    priced alike; one of 97 reads 4 and costs more."""
+    scorer = scorers("llama_gqa_untied")
+    runner, vocab = scorer.get_backend("prefill_extend"), scorer.config.vocab_size
+    items = [random_tokens(rng, 5, vocab) for _ in range(4)]
+
+    def extend_scores(query_len: int) -> float:
+        batch = make_batch(random_tokens(rng, query_len, vocab), items, [1, 2], False)
+        return runner.work([batch])[-1].scores  # the extend step: it comes after the prefill
+
+    assert extend_scores(70) == extend_scores(96) < extend_scores(97)
+
+
 def test_batches_of_any_size_give_the_same_scores(scorers, rng):
     base = scorers("qwen2_bias")
     vocab = base.config.vocab_size

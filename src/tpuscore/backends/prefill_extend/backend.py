@@ -126,6 +126,13 @@ def key_blocks(size: int, width: int | None = None) -> int:
     return max(1, min(size // bucket_count(width or KEY_BLOCK_TOKENS), MAX_KEY_BLOCKS))
 
 
+def keys_read(size: int, length: int, width: int | None = None) -> int:
+    """Positions of a K/V buffer of `size` that a step meeting it in `key_blocks(size, width)`
+    reads when it holds `length` keys: the blocks up to the one holding the last."""
+    block = size // key_blocks(size, width)
+    return min(size, -(-length // block) * block)
+
+
 def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: int) -> jax.Array:
     """cached with new written from position `at` along axis, holding `size` positions."""
     # Room for R more positions past the larger of both sizes, so no write is clipped.
@@ -374,15 +381,15 @@ class PrefillExtendBackend(Budgeted):
     def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
         """What each step of `schedule(batches)` does (for `selection.py`), with the prefix cache
         as it is now. Every step's peak holds the K/V of its wave's queries. Attention is priced
-        over the whole K/V buffer, key blocks skipped or not (`key_blocks`): the shipped CPU
-        profile was fit on timings taken before extend steps skipped any, so the skipping is
-        left out of the price until a recalibration measures it (an overestimate, never under)."""
+        over the keys a step reads: a lone query's key blocks up to its length (`keys_read`), a
+        step of several queries their whole buffers."""
         config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
         steps = []
         for wave in self.schedule(batches):
             held = sum(self.prefix_bytes(len(q)) for q in wave.queries)
             for step in wave.prefill:
                 R, P = step.length, step.base_len
+                read = P if step.rows > 1 else keys_read(P, step.chunks[0].start, R)
                 peak = -(-step.rows // layout.data) * memory.prefill_row_bytes(config, R, P)
                 steps.append(
                     work.step_work(
@@ -390,17 +397,19 @@ class PrefillExtendBackend(Budgeted):
                         itemsize,
                         rows=step.rows,
                         new=R,
-                        pairs=step.rows * R * (R + P),
+                        pairs=step.rows * R * (R + read),
                         slots=0,
                         peak=peak + held,
-                        kv_bytes=work.kv_bytes(config, step.rows * P, itemsize),
+                        kv_bytes=work.kv_bytes(config, step.rows * read, itemsize),
                     )
                 )
             for step in wave.extend:
                 rows, L = step.size, step.item_len
                 step_queries = {wave.query_of[w] for w in step.groups}
-                P = max(bucket_prefix(len(wave.queries[q])) for q in step_queries)
+                longest = max(len(wave.queries[q]) for q in step_queries)
+                P = bucket_prefix(longest)
                 row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
+                read = P if row_prefix else keys_read(P, longest)  # a lone query's key blocks
                 peak = rows // layout.data * memory.extend_row_bytes(config, L, row_prefix)
                 steps.append(
                     work.step_work(
@@ -408,10 +417,10 @@ class PrefillExtendBackend(Budgeted):
                         itemsize,
                         rows=rows,
                         new=L,
-                        pairs=rows * L * (L + P),
+                        pairs=rows * L * (L + read),
                         slots=1,
                         peak=peak + held,
-                        kv_bytes=work.kv_bytes(config, P, itemsize)
+                        kv_bytes=work.kv_bytes(config, read, itemsize)
                         * (1 if row_prefix == 0 else rows),
                     )
                 )
