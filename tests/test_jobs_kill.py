@@ -58,23 +58,29 @@ def test_a_killed_job_run_again_equals_an_uninterrupted_one(checkpoint_dir, rng,
     output = tmp_path / "killed"
     manifest = f"{output}.manifest.json"
     killed_at = []
+
+    def wait(seconds: float, limit: int) -> None:
+        """Until a random moment `seconds` on, or sooner once `limit` shards are committed."""
+        at = time.monotonic() + seconds
+        while time.monotonic() < at and _committed(manifest) < limit:
+            time.sleep(0.002)
+
     for kill in range(KILLS):
         process = subprocess.Popen(command(output), env=env)
         before = _committed(manifest)
         deadline = time.monotonic() + 300
         # The first kill lands anywhere in the run's first seconds (startup included); the
-        # others once this process has committed a shard, at a random moment after it (the
-        # last one right after it: a warm process can finish the job within a fifth of a second).
-        if kill == 0:  # a random moment, but before half the shards (a warm run is quick)
-            at = time.monotonic() + rng.uniform(0, min(whole_seconds, 5.0))
-            while time.monotonic() < at and _committed(manifest) < SHARDS // 2:
-                time.sleep(0.01)
+        # others once this process has committed a shard, the middle one at a random moment
+        # after it, the last one at once. A warm process commits a shard every few tens of
+        # milliseconds, so each kill before the last stops early enough to leave it shards.
+        if kill == 0:
+            wait(rng.uniform(0, min(whole_seconds, 5.0)), limit=SHARDS // 2)
         else:
             while _committed(manifest) == before and process.poll() is None:
                 assert time.monotonic() < deadline, "no shard committed"
-                time.sleep(0.01)
-            if kill < KILLS - 1:  # the last kill lands at once, so it is sure to be mid-job
-                time.sleep(rng.uniform(0, 0.2))
+                time.sleep(0.002)
+            if kill < KILLS - 1:
+                wait(rng.uniform(0, 0.2), limit=SHARDS - 3)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=60)
         killed_at.append(_committed(manifest))
