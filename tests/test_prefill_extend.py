@@ -159,6 +159,7 @@ def test_an_extend_step_reads_the_keys_its_price_counts(scorers, rng, narrow_key
     config = scorer.config
     P = bucket_prefix(70)
     assert prefill_extend.keys_read(P, 70) == 96 and P == 128
+    assert prefill_extend.keys_read(32, 0) == 32  # one block runs without the loop: read whole
     shape = (config.num_layers, config.num_kv_heads, config.head_dim, P)
     k, v = rng.standard_normal(shape), rng.standard_normal(shape).swapaxes(2, 3)
     items = jnp.asarray([random_tokens(rng, 5, config.vocab_size) for _ in range(2)], jnp.int32)

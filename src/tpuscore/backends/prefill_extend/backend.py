@@ -128,9 +128,12 @@ def key_blocks(size: int, width: int | None = None) -> int:
 
 def keys_read(size: int, length: int, width: int | None = None) -> int:
     """Positions of a K/V buffer of `size` that a step meeting it in `key_blocks(size, width)`
-    reads when it holds `length` keys: the blocks up to the one holding the last."""
-    block = size // key_blocks(size, width)
-    return min(size, -(-length // block) * block)
+    reads when it holds `length` keys: the blocks up to the one holding the last (all of one
+    block, which runs without the loop)."""
+    blocks = key_blocks(size, width)
+    if blocks == 1:
+        return size
+    return min(size, -(-length // (size // blocks)) * (size // blocks))
 
 
 def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: int) -> jax.Array:
