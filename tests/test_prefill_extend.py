@@ -150,7 +150,6 @@ def test_skipped_key_blocks_are_never_read(rng):
     np.testing.assert_allclose(blocks, whole, atol=1e-6, rtol=0)
 
 
-@pytest.mark.slow  # long
 def test_an_extend_step_reads_the_keys_its_price_counts(scorers, rng, narrow_key_blocks):
     """A 70-token query's K/V holds 128 positions, met in blocks of 32: the step reads 96
     (`keys_read`, what `work` prices). NaN written from position 96 on leaves the scores
@@ -193,6 +192,7 @@ def test_an_extend_step_is_priced_by_the_key_blocks_it_reads(scorers, rng, narro
     assert extend_scores(70) == extend_scores(96) < extend_scores(97)
 
 
+@pytest.mark.slow  # long
 def test_batches_of_any_size_give_the_same_scores(scorers, rng):
     base = scorers("qwen2_bias")
     vocab = base.config.vocab_size
