@@ -178,9 +178,11 @@ def test_an_extend_step_reads_the_keys_its_price_counts(scorers, rng, narrow_key
     assert np.isnan(scores(slice(95, 96))).all()
 
 
-def test_an_extend_step_is_priced_by_the_key_blocks_it_reads(scorers, rng, narrow_key_blocks):
+def test_an_extend_step_is_priced_by_the_key_blocks_it_reads(scorers, rng, monkeypatch):
     """Queries of 70 and 96 tokens (K/V of 128 positions, blocks of 32) read 3 blocks and are
-    priced alike; one of 97 reads 4 and costs more."""
+    priced alike; one of 97 reads 4 and costs more. Pricing compiles nothing, so JAX's caches
+    stay as they are (unlike `narrow_key_blocks`)."""
+    monkeypatch.setattr(prefill_extend, "KEY_BLOCK_TOKENS", 32)
     scorer = scorers("llama_gqa_untied")
     runner, vocab = scorer.get_backend("prefill_extend"), scorer.config.vocab_size
     items = [random_tokens(rng, 5, vocab) for _ in range(4)]

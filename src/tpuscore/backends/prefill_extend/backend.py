@@ -131,9 +131,8 @@ def keys_read(size: int, length: int, width: int | None = None) -> int:
     reads when it holds `length` keys: the blocks up to the one holding the last (all of one
     block, which runs without the loop)."""
     blocks = key_blocks(size, width)
-    if blocks == 1:
-        return size
-    return min(size, -(-length // (size // blocks)) * (size // blocks))
+    block = size // blocks
+    return size if blocks == 1 else min(size, -(-length // block) * block)
 
 
 def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: int) -> jax.Array:
