@@ -403,6 +403,11 @@ def test_models_and_metrics(client):
     assert 'tpuscore_request_seconds_bucket{endpoint="/v1/score",le="0.005"}' in text
     assert 'tpuscore_items_total{endpoint="/v1/score"}' in text
     assert "tpuscore_backend_picks_total{backend=" in text
+    for series in ("executables_built_total", "executables_dropped_total", "memory_maps"):
+        (value,) = [
+            line.split()[1] for line in text.splitlines() if line.startswith(f"tpuscore_{series} ")
+        ]
+        assert float(value) >= (1 if series != "executables_dropped_total" else 0), series
 
 
 def test_overload_gives_503_with_retry_after(scorer, rng):

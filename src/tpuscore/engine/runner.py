@@ -22,7 +22,7 @@ from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
 from tpuscore.backends.contract import ShapeLimits
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import memory_guard, planning, progress, selection, shapes
+from tpuscore.engine import executables, memory_guard, planning, progress, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 from tpuscore.models.config import ModelConfig
@@ -64,6 +64,7 @@ class Engine:
         default_selector = planning.FixedRule() if self.batch_invariant else self.cost_model
         self.selector = selector or default_selector
         self.backends = BackendPool(model, backend_options, self.batch_invariant)
+        executables.guard()  # counting compiles from now on
 
     @property
     def config(self) -> ModelConfig:
@@ -143,6 +144,7 @@ class Engine:
                     results[i] = result
             if on_progress is not None:
                 on_progress(sum(len(g.members) for g in groups))
+        executables.guard().check()
         return results
 
     def run_batch(

@@ -27,7 +27,7 @@ from tpuscore.backends import registry
 from tpuscore.backends.buckets import MIN_LABEL_BUCKET
 from tpuscore.backends.contract import ShapeLimits
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import planning
+from tpuscore.engine import executables, planning
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models.config import ModelConfig
 
@@ -102,16 +102,22 @@ def shape_set(pool: BackendPool, names: Sequence[str], limits: ShapeLimits) -> l
 
 def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
     """Compile every shape, each by running its step once on zeros; one `Warmed` per backend
-    (geometry None, steps: its shapes), logged."""
+    (geometry None, steps: its shapes), logged. Every `WARMUP_PROBE` shapes, ValidationError
+    ("shape_set_too_large") if the whole set's executables would not fit in the memory maps the
+    process may hold (`executables`)."""
     by_backend: dict[str, list[StepShape]] = {}
     for shape in shapes:
         by_backend.setdefault(shape.backend, []).append(shape)
+    guard, maps_before, done = executables.guard(), executables.map_count(), 0
     warmed = []
     for name, own in by_backend.items():
         backend: Any = pool.get(name)
         start = time.perf_counter()
         for shape in own:
             backend.warm((shape.step, shape.shape))
+            done += 1
+            if done % executables.WARMUP_PROBE == 0:
+                guard.check_warmup(len(shapes), done, maps_before)
         jax.effects_barrier()
         seconds = time.perf_counter() - start
         logger.info("warmed %s: %d shapes in %.1f s", name, len(own), seconds)

@@ -24,7 +24,7 @@ import numpy as np
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import planning
+from tpuscore.engine import executables, planning
 
 logger = logging.getLogger(__name__)
 
@@ -105,4 +105,5 @@ def warm(
                     "warmed %s on %s: %d steps in %.2f s", geometry, chosen, stats.steps, seconds
                 )
                 warmed.append(Warmed(geometry, chosen, stats.steps, seconds))
+        executables.guard().check()
     return warmed

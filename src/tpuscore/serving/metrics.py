@@ -4,8 +4,10 @@ counts."""
 from __future__ import annotations
 
 import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpuscore.api.results import ScoreResult
+from tpuscore.engine import executables
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -13,7 +15,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 
 class Metrics:
     """tpuscore_requests_total, _request_seconds, _items_total, _tokens_total and
-    _backend_picks_total, each labelled by endpoint (the path) or backend."""
+    _backend_picks_total, each labelled by endpoint (the path) or backend; and the process's
+    compiled executables (`Executables`)."""
 
     def __init__(self) -> None:
         self.registry = prometheus_client.CollectorRegistry()
@@ -37,6 +40,7 @@ class Metrics:
         self.backend_picks = prometheus_client.Counter(
             "backend_picks", "scoring results by the backend that ran them", ["backend"], **kw
         )
+        self.registry.register(Executables())
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -50,3 +54,24 @@ class Metrics:
     def text(self) -> bytes:
         """The exposition format, as `GET /metrics` answers it (media type CONTENT_TYPE)."""
         return prometheus_client.generate_latest(self.registry)
+
+
+class Executables:
+    """tpuscore_executables_built_total (compiled or loaded from the persistent cache: a
+    service that keeps meeting new shapes shows here), _dropped_total (every executable dropped
+    to stay under the process's memory-map limit) and tpuscore_memory_maps (Linux only):
+    process-wide, read from `executables.guard()` at each scrape."""
+
+    def collect(self):
+        guard = executables.guard()
+        yield CounterMetricFamily(
+            "tpuscore_executables_built", "executables built by this process", value=guard.compiles
+        )
+        yield CounterMetricFamily(
+            "tpuscore_executables_dropped",
+            "times every executable was dropped to stay under the memory-map limit",
+            value=guard.dropped,
+        )
+        maps = executables.map_count()
+        if maps is not None:
+            yield GaugeMetricFamily("tpuscore_memory_maps", "memory maps held", value=maps)

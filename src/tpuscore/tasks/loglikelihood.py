@@ -44,6 +44,7 @@ from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.backends import registry
 from tpuscore.backends.prefill_extend.backend import PrefillExtendBackend
+from tpuscore.engine import executables
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
@@ -108,7 +109,9 @@ def loglikelihood(
             "backend",
         )
     request = validation.validate_loglikelihood(context, continuations, engine.facts)
-    return run(engine.backends.get(BACKEND), request)
+    results = run(engine.backends.get(BACKEND), request)
+    executables.guard().check()
+    return results
 
 
 def run(
