@@ -16,6 +16,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+# Likewise a directory the workers share for references that are slow to build.
+SHARED_ENV = "TPUSCORE_TESTS_SHARED_DIR"
+if SHARED_ENV not in os.environ:
+    os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="tpuscore-tests-shared-")
+    atexit.register(shutil.rmtree, os.environ[SHARED_ENV], ignore_errors=True)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -118,20 +123,47 @@ def default_model_path():
     """The embedded SmolLM2 GGUF. Tests that need it skip where it is not installed, but not in
     CI, where `nox -s tests` installs it: a skip there would hide the parity check."""
     try:
-        return find_default_model()
+        path = find_default_model()
     except DefaultModelMissingError as missing:
         if os.environ.get("CI"):
             pytest.fail(str(missing))
         pytest.skip(str(missing))
+    # Dequantized once per machine: the first worker here writes the weight cache's float32
+    # entry, which later loads (the examples' subprocesses too) map instead of dequantizing.
+    import filelock
+
+    from tpuscore.models import loaders
+
+    with filelock.FileLock(os.path.join(os.environ[SHARED_ENV], "weights.lock")):
+        loaders.load(path, dtype=np.dtype(np.float32))
+    return path
 
 
 @pytest.fixture(scope="session")
 def hf_default_model(default_model_path):
-    """transformers' own load of the same GGUF (dequantized to float32): the reference."""
+    """transformers' own load of the same GGUF (dequantized to float32): the reference. The
+    first worker to load it saves it (safetensors, float32) for the others: transformers takes
+    about 20 s to dequantize the GGUF, and a reload reads back the same tensors."""
+    import filelock
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    saved = os.path.join(os.environ[SHARED_ENV], "hf_default_model")
+    with filelock.FileLock(saved + ".lock"):
+        if not os.path.exists(saved):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+            )
+            # save_pretrained refuses a model loaded from GGUF: its config and tensors instead
+            # (a tied lm_head is the embedding, and is tied again on load).
+            import safetensors.torch
+
+            partial = saved + ".partial"
+            model.config.save_pretrained(partial)
+            tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if model.config.tie_word_embeddings:
+                tensors.pop("lm_head.weight", None)
+            safetensors.torch.save_file(tensors, os.path.join(partial, "model.safetensors"))
+            os.rename(partial, saved)
+            return model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()

@@ -162,6 +162,14 @@ def test_the_documented_command_runs_the_harness_cli(checkpoint, tmp_path, monke
     ]
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", argv)
+    # The CLI indexes the harness's thousands of built-in task files (~15 s here) besides
+    # --include_path; this test needs only the local ones, as the `evaluated` fixture does.
+    index = TaskManager.__init__
+    monkeypatch.setattr(
+        TaskManager,
+        "__init__",
+        lambda self, *a, **kw: index(self, *a, **kw | {"include_defaults": False}),
+    )
     try:
         runpy.run_module("tpuscore.integrations.lm_eval", run_name="__main__", alter_sys=True)
     except SystemExit as done:
