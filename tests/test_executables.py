@@ -78,7 +78,9 @@ def test_without_proc_the_guard_does_nothing(monkeypatch):
 
 def test_warmup_refuses_a_shape_set_that_cannot_stay(scorers, monkeypatch):
     """Room for about ten executables, a set of dozens: refused after the first
-    `WARMUP_PROBE` shapes, naming the limit, rather than compiling on towards a crash."""
+    `WARMUP_PROBE` shapes (2 here: each compile costs a second), naming the limit, rather than
+    compiling on towards a crash."""
+    monkeypatch.setattr(executables, "WARMUP_PROBE", 2)
     base = scorers(CASE)
     options = {"prefill_extend": {"batch_items": 4, "prefill_chunk": 16}}
     scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)

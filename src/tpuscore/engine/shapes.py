@@ -104,13 +104,14 @@ def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
     """Compile every shape, each by running its step once on zeros; one `Warmed` per backend
     (geometry None, steps: its shapes), logged. Every `WARMUP_PROBE` shapes, ValidationError
     ("shape_set_too_large") if the whole set's executables would not fit in the memory maps the
-    process may hold (`executables`)."""
+    process may hold (`executables`); the backend with the most shapes goes first, so the first
+    probe measures the executables that dominate the set."""
     by_backend: dict[str, list[StepShape]] = {}
     for shape in shapes:
         by_backend.setdefault(shape.backend, []).append(shape)
     guard, maps_before, done = executables.guard(), executables.map_count(), 0
     warmed = []
-    for name, own in by_backend.items():
+    for name, own in sorted(by_backend.items(), key=lambda named: -len(named[1])):
         backend: Any = pool.get(name)
         start = time.perf_counter()
         for shape in own:
