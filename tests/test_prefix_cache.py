@@ -86,9 +86,13 @@ def test_a_query_sharing_a_cached_prefix_prefills_only_the_rest(scorers, rng):
     instruction = random_tokens(rng, 60, vocab)
     items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 15, size=6)]
     item_tokens = sum(map(len, items))
-    scorer.score(instruction + random_tokens(rng, 20, vocab), items, [7], backend="prefill_extend")
+    first_text = random_tokens(rng, 20, vocab)
+    scorer.score(instruction + first_text, items, [7], backend="prefill_extend")
+    other_text = random_tokens(rng, 35, vocab)
+    while other_text[0] == first_text[0]:  # else the shared prefix is a token longer
+        other_text = random_tokens(rng, 35, vocab)
     for query, prefilled in [
-        (instruction + random_tokens(rng, 35, vocab), 35),  # same instruction, other user text
+        (instruction + other_text, 35),  # same instruction, other user text
         (instruction[:40], 1),  # a prefix of a cached query: only its last token is recomputed
     ]:
         result = scorer.score(query, items, [7], backend="prefill_extend")
