@@ -7,6 +7,7 @@ cross it (`benchmarks/executable_limit.py` runs the real crash and the guard aga
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -94,3 +95,41 @@ def test_warmup_refuses_a_shape_set_that_cannot_stay(scorers, monkeypatch):
     assert refused.value.code == "shape_set_too_large" and refused.value.param == "limits"
     assert f"{total} executables" in str(refused.value)
     assert len(compiles) == executables.WARMUP_PROBE
+
+
+def test_drops_while_other_threads_score_lose_nothing(scorers, rng, monkeypatch):
+    """Four threads scoring new shapes on three backends at once, the mark low enough that
+    nearly every call drops the executables under the others: every call completes and equals
+    the reference backend."""
+    scorer = scorers(CASE)
+    vocab = scorer.config.vocab_size
+    requests = [
+        (
+            random_tokens(rng, int(rng.integers(1, 120)), vocab),
+            [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 40, rng.integers(1, 12))],
+            ("prefill_extend", "packed_dense", "serial")[i % 3],
+        )
+        for i in range(8)
+    ]
+    limit_with_room(monkeypatch, 60)
+    dropped = executables.guard().dropped
+    results, errors = {}, []
+
+    def work(first: int) -> None:
+        try:
+            for i in range(first, len(requests), 4):
+                query, items, backend = requests[i]
+                results[i] = scorer.score(query, items, [1, 2], backend=backend).logprobs
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(first,)) for first in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors and len(results) == len(requests)
+    assert executables.guard().dropped >= dropped + 2
+    for i, (query, items, _) in enumerate(requests):
+        expected = scorer.score(query, items, [1, 2], backend="reference").logprobs
+        np.testing.assert_allclose(results[i], expected, atol=1e-4, rtol=0)
