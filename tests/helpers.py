@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 
 from tpuscore.backends import BackendOutput, StepStats
+from tpuscore.engine.executables import COMPILE_EVENT  # one name for the event
 from tpuscore.models.config import ModelConfig
 
 # Real models' shapes, for what needs no weights (lowering, cost estimates).
@@ -28,7 +29,6 @@ GEMMA2_2B = ModelConfig(  # google/gemma-2-2b's config.json, as ModelConfig.from
     attn_logit_softcap=50.0, final_logit_softcap=30.0, sliding_window=4096,
     local_layers=(True, False) * 13,
 )  # fmt: skip
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def compile_events() -> list[str]:
