@@ -109,7 +109,8 @@ def main() -> None:
             start = time.perf_counter()
             command = [sys.executable, __file__, "--child", mode, "--executables", str(wanted)]
             done = subprocess.run([*command, "--seed", str(args.seed)], check=False)
-            print(f"  {mode}: exit code {done.returncode} after {time.perf_counter() - start:.0f} s")
+            took = time.perf_counter() - start
+            print(f"  {mode}: exit code {done.returncode} after {took:.0f} s")
     finally:
         if args.max_map_count:
             with open(MAX_MAP_COUNT, "w") as f:
