@@ -35,7 +35,7 @@ def _forward(config, params, tokens, read):
 
     def attention(q, k, v, layer, read):
         window = decoder.within_window(positions, positions, layer.window)
-        return decoder.attend_rows(q, k, v, _causal() & window, layer, read)
+        return decoder.attend(q, k, v, _causal() & window, layer, read)
 
     return decoder.forward(params, config, tokens, positions, attention, read)
 

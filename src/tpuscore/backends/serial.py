@@ -70,7 +70,7 @@ def score_sequences(
 
     def attention(q, k, v, layer, read):
         window = decoder.within_window(positions, positions, layer.window)
-        return decoder.attend_rows(q, k, v, causal & window, layer, read)
+        return decoder.attend(q, k, v, causal & window, layer, read)
 
     read = jnp.maximum(lengths - 1, 0)[:, None]
     last = decoder.forward(params, config, tokens, positions, attention, read)[:, 0]

@@ -108,6 +108,11 @@ def within_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | None) 
     return k_pos[..., None, :] > q_pos[..., :, None] - window
 
 
+def rows_at(x: jax.Array, read: jax.Array) -> jax.Array:
+    """x [B, T, ...] at positions read [B, S] of each row: [B, S, ...]."""
+    return jnp.take_along_axis(x, read.reshape(*read.shape, *[1] * (x.ndim - 2)), axis=1)
+
+
 def _scores(q: jax.Array, k: jax.Array, layer: LayerAttention | None) -> jax.Array:
     """q [..., T, H] @ k [..., H, S], scaled and soft-capped as the layer says."""
     if layer is None or layer.scale is None:
@@ -237,17 +242,6 @@ def _merge(*parts) -> jax.Array:
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, layer: LayerAttention | None = None
-) -> jax.Array:
-    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H].
-
-    layer: the scale and soft-cap (None: head_dim ** -0.5, no cap); its window must already be
-    in the mask (`within_window`). Every row of the mask must allow at least one key (padding
-    rows: their own position)."""
-    return _merge(_own_parts(q, k, v, mask, layer))
-
-
-def attend_rows(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -255,10 +249,15 @@ def attend_rows(
     layer: LayerAttention | None = None,
     read: jax.Array | None = None,
 ) -> jax.Array:
-    """`attend` for the query rows at positions read [B, S] only ([B,S,N,H]; None: every row)."""
+    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H];
+    with read (positions [B, R]), for those query rows only: [B,R,N,H].
+
+    layer: the scale and soft-cap (None: head_dim ** -0.5, no cap); its window must already be
+    in the mask (`within_window`). Every row of the mask must allow at least one key (padding
+    rows: their own position)."""
     if read is not None:
         q, mask = rows_at(q, read), rows_at(mask, read)
-    return attend(q, k, v, mask, layer)
+    return _merge(_own_parts(q, k, v, mask, layer))
 
 
 class Prefix(NamedTuple):
@@ -365,11 +364,6 @@ def _scan_layers(step, x, layers, *per_layer, last=None):
     p, *rest = layer(count - 1)
     x, y = last(x, (bits_as_bfloat16(p), *rest))
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
-
-
-def rows_at(x: jax.Array, read: jax.Array) -> jax.Array:
-    """x [B, T, ...] at positions read [B, S] of each row: [B, S, ...]."""
-    return jnp.take_along_axis(x, read.reshape(*read.shape, *[1] * (x.ndim - 2)), axis=1)
 
 
 # attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention, read) -> [B,T,N,H];

@@ -128,7 +128,7 @@ def score_packed(
 
         def attention(q, k, v, layer, read):
             window = decoder.within_window(positions, positions, layer.window)
-            return decoder.attend_rows(q, k, v, mask & window, layer, read)
+            return decoder.attend(q, k, v, mask & window, layer, read)
 
     else:
 
