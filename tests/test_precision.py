@@ -50,9 +50,8 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
     tokens = jnp.zeros((1, 16), jnp.int32)
     positions = jnp.arange(16)[None]
     causal = jnp.tril(jnp.ones((1, 16, 16), bool))
-    attention = lambda q, k, v, layer, read: decoder.attend(q, k, v, causal, layer, read)  # noqa: E731
-    read = jnp.array([[15]])  # as the backends call it: the last layer at read rows alone
-    step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention, read))
+    attention = lambda q, k, v, layer: decoder.attend(q, k, v, causal, layer)  # noqa: E731
+    step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention))
     hlo = step.lower(model.params, tokens, positions).compile().as_text()
     for name in MIXED_BFLOAT16:
         stack = model.params["layers"][name].shape

@@ -68,12 +68,12 @@ def score_sequences(
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
-    def attention(q, k, v, layer, read):
+    def attention(q, k, v, layer):
         window = decoder.within_window(positions, positions, layer.window)
-        return decoder.attend(q, k, v, causal & window, layer, read)
+        return decoder.attend(q, k, v, causal & window, layer)
 
-    read = jnp.maximum(lengths - 1, 0)[:, None]
-    last = decoder.forward(params, config, tokens, positions, attention, read)[:, 0]
+    hidden = decoder.forward(params, config, tokens, positions, attention)
+    last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
     return decoder.label_logprobs(params, config, last, label_ids)
 
 

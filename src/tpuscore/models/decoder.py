@@ -6,9 +6,7 @@ D model dim, F MLP dim, V vocab, C labels. Parameters follow `models/weights.py`
 
 Matmuls run in their weight's dtype (attention's in the norm weights') and accumulate in float32;
 norms, RoPE and softmax run in float32. The head (LM head or classification head) is applied only
-to the rows being scored, never to every token; and where a step reads only some positions'
-final hidden states (`read`), the last layer runs its attention output, projection and MLP only
-at those positions (every token still gets its K/V there).
+to the rows being scored, never to every token.
 
 Sliding windows: layers are scanned, so a layer's window travels through `lax.scan` as data, a
 per-layer int32 (`layer_windows`: the window of a local layer, `NO_WINDOW` for a global one).
@@ -108,11 +106,6 @@ def within_window(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | None) 
     return k_pos[..., None, :] > q_pos[..., :, None] - window
 
 
-def rows_at(x: jax.Array, read: jax.Array) -> jax.Array:
-    """x [B, T, ...] at positions read [B, S] of each row: [B, S, ...]."""
-    return jnp.take_along_axis(x, read.reshape(*read.shape, *[1] * (x.ndim - 2)), axis=1)
-
-
 def _scores(q: jax.Array, k: jax.Array, layer: LayerAttention | None) -> jax.Array:
     """q [..., T, H] @ k [..., H, S], scaled and soft-capped as the layer says."""
     if layer is None or layer.scale is None:
@@ -172,10 +165,11 @@ def _prefix_parts(
     """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
 
     prefix_k [K,H,P], prefix_v [K,P,H], prefix_mask [P]. With a window (layer.window not None),
-    the tokens' positions [B, T] limit each to the prefix keys inside its window. The B*T query
-    tokens meet the prefix in [K, G*t, H] @ [K, H, P] matmuls over blocks of t tokens; the
-    prefix is never copied per row. Blocks keep the float32 scores small enough to stay in cache
-    between the two matmuls and the exp, which on CPU would otherwise be bound by memory.
+    the tokens' positions [T] (the same in every row) limit each to the prefix keys inside its
+    window. The B*T query tokens meet the prefix in [K, G*t, H] @ [K, H, P] matmuls over blocks of
+    t tokens; the prefix is never copied per row. Blocks keep the float32 scores small enough to
+    stay in cache between the two matmuls and the exp, which on CPU would otherwise be bound by
+    memory.
 
     key_blocks > 1: the prefix is met in that many equal key blocks (dividing P), in order, and
     only those holding a key before `length` (a loop with a dynamic trip count, merging each
@@ -190,8 +184,8 @@ def _prefix_parts(
     t = score_block_tokens(B * T, bytes_per_token=N * width * 4)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
     windowed = layer is not None and layer.window is not None
-    # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[b, i].
-    block_pos = positions.reshape(-1, t) if windowed else jnp.zeros((len(q), 1))
+    # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[i].
+    block_pos = jnp.tile(positions, B).reshape(-1, t) if windowed else jnp.zeros((len(q), 1))
 
     def part(q, pos, start):
         """The part of the `width` keys from position `start` on."""
@@ -242,21 +236,13 @@ def _merge(*parts) -> jax.Array:
 
 
 def attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    layer: LayerAttention | None = None,
-    read: jax.Array | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, layer: LayerAttention | None = None
 ) -> jax.Array:
-    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H];
-    with read (positions [B, R]), for those query rows only: [B,R,N,H].
+    """Softmax attention with GQA. q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] -> [B,T,N,H].
 
     layer: the scale and soft-cap (None: head_dim ** -0.5, no cap); its window must already be
     in the mask (`within_window`). Every row of the mask must allow at least one key (padding
     rows: their own position)."""
-    if read is not None:
-        q, mask = rows_at(q, read), rows_at(mask, read)
     return _merge(_own_parts(q, k, v, mask, layer))
 
 
@@ -340,34 +326,18 @@ def _layer_attention(config: ModelConfig, window) -> LayerAttention:
     return LayerAttention(window, attention_scale(config), config.attn_logit_softcap)
 
 
-def _scan_layers(step, x, layers, *per_layer, last=None):
+def _scan_layers(step, x, layers, *per_layer):
     """lax.scan of step(x, (one layer's weights, *per-layer inputs)) over the stacked layers,
-    whose bfloat16 weights may arrive as their uint16 bits (`weights.layers_as_bits`).
-
-    last: the step of the last layer where it differs (its outputs shaped as step's): the scan
-    then runs every layer but the last, indexing the stacks in place rather than copying them.
-    """
+    whose bfloat16 weights may arrive as their uint16 bits (`weights.layers_as_bits`)."""
 
     def layer_step(x, inputs):
         p, *rest = inputs
         return step(x, (bits_as_bfloat16(p), *rest))
 
-    if last is None:
-        return jax.lax.scan(layer_step, x, (layers, *per_layer))
-    stacks = (layers, *per_layer)
-    count = jax.tree.leaves(layers)[0].shape[0]
-
-    def layer(i):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stacks)
-
-    x, ys = jax.lax.scan(lambda x, i: layer_step(x, layer(i)), x, jnp.arange(count - 1))
-    p, *rest = layer(count - 1)
-    x, y = last(x, (bits_as_bfloat16(p), *rest))
-    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
+    return jax.lax.scan(layer_step, x, (layers, *per_layer))
 
 
-# attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention, read) -> [B,T,N,H];
-# read None, or positions [B, S]: the output at those query positions only, [B, S, N, H].
+# attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention) -> [B,T,N,H]
 Attention = Callable[..., jax.Array]
 
 
@@ -377,28 +347,22 @@ def forward(
     tokens: jax.Array,
     positions: jax.Array,
     attention: Attention,
-    read: jax.Array | None = None,
 ) -> jax.Array:
-    """Final hidden states [B, T, D] (before the final norm) for tokens [B, T]; with read
-    (positions [B, S]), only those positions' [B, S, D], the last layer computing no others.
+    """Final hidden states [B, T, D] (before the final norm) for tokens [B, T].
 
-    attention maps q [B,T,N,H], k/v [B,T,K,H], the layer's `LayerAttention` and read (None, or
-    the positions wanted) to [B,T,N,H] (or [B,S,N,H]), e.g. `attend` under a mask intersected
-    with `within_window` of the positions.
+    attention maps q [B,T,N,H], k/v [B,T,K,H] and the layer's `LayerAttention` to [B,T,N,H],
+    e.g. `attend` under a mask intersected with `within_window` of the positions.
     """
     windows, angles = _layer_inputs(config, positions)
 
-    def step(x, layer, read=None):
+    def step(x, layer):
         p, window = layer
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
-        o = attention(q, k, v, _layer_attention(config, window), read)
-        if read is not None:
-            x = rows_at(x, read)
+        o = attention(q, k, v, _layer_attention(config, window))
         return _finish(config, x, o, p), None
 
-    last = None if read is None else functools.partial(step, read=read)
-    x, _ = _scan_layers(step, _embed(params, config, tokens), params["layers"], windows, last=last)
+    x, _ = _scan_layers(step, _embed(params, config, tokens), params["layers"], windows)
     return x
 
 
@@ -412,7 +376,6 @@ def extend(
     rows: jax.Array | None = None,
     return_kv: bool = False,
     prefix_blocks: int = 1,
-    read: jax.Array | None = None,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -428,11 +391,7 @@ def extend(
     prefix_blocks > 1 (a shared prefix only): the prefix is met in that many key blocks, those
     past the prefix's length skipped (`_prefix_parts`).
 
-    read [B]: only the final hidden state at position read[b] of each row is wanted; the last
-    layer computes no other (its K/V still cover every token).
-
-    Returns hidden [B, T, D] ([B, D] with read), and with return_kv the rows' own k/v
-    [layers, B, T, K, H].
+    Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
     B, T = tokens.shape
     length = prefix.length if rows is None else prefix.length[rows][:, None]  # [] or [B, 1]
@@ -441,34 +400,27 @@ def extend(
     P = prefix.k.shape[-1]
     prefix_mask = jnp.arange(P) < length  # [P] or [B, P]
 
-    def prefix_parts(q, prefix_k, prefix_v, layer, pos):
+    def prefix_parts(q, prefix_k, prefix_v, layer):
         if rows is None:
             return _prefix_parts(
-                q, prefix_k, prefix_v, prefix_mask, layer, pos, prefix_blocks, length
+                q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
             )
         # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
         k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
-        own_mask = prefix_mask[:, None] & within_window(pos, jnp.arange(P), layer.window)
+        own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
         return _own_parts(q, k, v, own_mask, layer)
 
-    def step(x, layer_inputs, read=None):
+    def step(x, layer_inputs):
         p, prefix_k, prefix_v, window = layer_inputs
         layer = _layer_attention(config, window)
         cos, sin = _layer_rope(config, angles, window)
         q, k, v = _qkv(config, x, p, cos, sin)
-        pos, own_mask = positions, mask
-        if read is not None:  # from here on, each row's position read[b] alone
-            x, q, pos, own_mask = (rows_at(a, read[:, None]) for a in (x, q, pos, own_mask))
-        own_mask = own_mask & within_window(pos, positions, window)
-        prefix_o = prefix_parts(q, prefix_k, prefix_v, layer, pos)
-        o = _merge(prefix_o, _own_parts(q, k, v, own_mask, layer))
+        own_mask = mask & within_window(positions, positions, window)
+        o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
         return _finish(config, x, o, p), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
-    last = None if read is None else functools.partial(step, read=read)
-    layers = (params["layers"], prefix.k, prefix.v, windows)
-    x, kv = _scan_layers(step, x, *layers, last=last)
-    return (x if read is None else x[:, 0]), kv
+    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows)
 
 
 def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:

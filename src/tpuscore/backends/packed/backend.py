@@ -126,13 +126,13 @@ def score_packed(
     if block_sizes is None:
         mask = segment_mask(prefix_len, seg_start, T)
 
-        def attention(q, k, v, layer, read):
+        def attention(q, k, v, layer):
             window = decoder.within_window(positions, positions, layer.window)
-            return decoder.attend(q, k, v, mask & window, layer, read)
+            return decoder.attend(q, k, v, mask & window, layer)
 
     else:
 
-        def attention(q, k, v, layer, read):  # the kernel wants heads before tokens: [B,N,T,H]
+        def attention(q, k, v, layer):  # the kernel wants heads before tokens: [B, N, T, H]
             q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
             kernel = functools.partial(
                 segment_attention,
@@ -143,10 +143,10 @@ def score_packed(
             )
             window = jnp.int32(decoder.NO_WINDOW) if layer.window is None else layer.window
             o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
-            o = o.swapaxes(1, 2)  # every query row: the kernel takes q and k/v alike
-            return o if read is None else decoder.rows_at(o, read)
+            return o.swapaxes(1, 2)
 
-    scored = decoder.forward(params, config, tokens, positions, attention, score_index)
+    hidden = decoder.forward(params, config, tokens, positions, attention)
+    scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
     return decoder.row_label_logprobs(params, config, scored, label_ids)
 
 

@@ -157,9 +157,9 @@ def prefill(
     """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions."""
     R = tokens.shape[1]
     causal = jnp.tril(jnp.ones((1, R, R), bool))
-    last, (k, v) = decoder.extend(
+    hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
-        prefix_blocks=key_blocks(prefix.k.shape[-1], R), read=(count - 1)[None],
+        prefix_blocks=key_blocks(prefix.k.shape[-1], R),
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -167,7 +167,7 @@ def prefill(
         k=_append(prefix.k, k, prefix.length, size, axis=3),
         v=_append(prefix.v, v, prefix.length, size, axis=2),
         length=prefix.length + count,
-        last_hidden=last[0],
+        last_hidden=hidden[0, count - 1],
     )
 
 
@@ -184,10 +184,9 @@ def prefill_rows(
     counts[b] of tokens [B, R] in its row; the results, stacked, hold `size` positions."""
     B, R = tokens.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((R, R), bool)), (B, R, R))
-    last, (k, v) = decoder.extend(
-        params, config, prefixes, tokens, causal, rows=jnp.arange(B), return_kv=True,
-        read=counts - 1,
-    )  # fmt: skip
+    hidden, (k, v) = decoder.extend(
+        params, config, prefixes, tokens, causal, rows=jnp.arange(B), return_kv=True
+    )
     k = k.transpose(0, 1, 3, 4, 2)  # [layers, B, K, H, R]
     v = v.transpose(0, 1, 3, 2, 4)  # [layers, B, K, R, H]
     append = jax.vmap(_append, in_axes=(1, 1, 0, None, None), out_axes=1)
@@ -195,7 +194,7 @@ def prefill_rows(
         k=append(prefixes.k, k, prefixes.length, size, 3),
         v=append(prefixes.v, v, prefixes.length, size, 2),
         length=prefixes.length + counts,
-        last_hidden=last,
+        last_hidden=hidden[jnp.arange(B), counts - 1],
     )
 
 
@@ -216,8 +215,8 @@ def score_items(
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
     blocks = key_blocks(prefix.k.shape[-1])
-    read = jnp.maximum(item_lens - 1, 0)
-    last, _ = decoder.extend(params, config, prefix, items, causal, prefix_blocks=blocks, read=read)
+    hidden, _ = decoder.extend(params, config, prefix, items, causal, prefix_blocks=blocks)
+    last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
     if label_ids.ndim == 2:
         return decoder.row_label_logprobs(params, config, last[:, None], label_ids)[:, 0]
@@ -239,8 +238,8 @@ def score_mixed_items(
     attending to its own query's K/V (gathered per row)."""
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    read = jnp.maximum(item_lens - 1, 0)
-    last, _ = decoder.extend(params, config, prefixes, items, causal, rows=query_index, read=read)
+    hidden, _ = decoder.extend(params, config, prefixes, items, causal, rows=query_index)
+    last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefixes.last_hidden[query_index], last)
     return decoder.row_label_logprobs(params, config, last[:, None], label_ids)[:, 0]
 
