@@ -63,7 +63,8 @@ class Guard:
     executables were dropped."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by `check`
+        self.counting = threading.Lock()  # compiles finish on several threads at once
         self.compiles = 0
         self.checked_at = 0  # `compiles` at the last check
         self.dropped = 0
@@ -71,11 +72,8 @@ class Guard:
 
     def _on_event(self, event: str, _seconds: float, **_: object) -> None:
         if event == COMPILE_EVENT:
-            self.compiles += 1
-
-    def high_water(self) -> int | None:
-        limit = map_limit()
-        return None if limit is None else int(limit * HIGH_WATER)
+            with self.counting:
+                self.compiles += 1
 
     def check(self) -> bool:
         """Drop every compiled executable if a compile since the last check left the process
@@ -84,8 +82,8 @@ class Guard:
             if self.compiles == self.checked_at:
                 return False  # nothing new linked: the count cannot have grown from JAX
             self.checked_at = self.compiles
-            count, high_water = map_count(), self.high_water()
-            if count is None or high_water is None or count < high_water:
+            count, limit = map_count(), map_limit()
+            if count is None or limit is None or count < limit * HIGH_WATER:
                 return False
             jax.clear_caches()
             self.dropped += 1
@@ -93,7 +91,7 @@ class Guard:
                 "%d memory maps of the %d this process may hold (vm.max_map_count): dropped "
                 "every compiled executable; later steps compile again or load from the "
                 "persistent compilation cache (docs/serving.md#compiled-shapes)",
-                count, map_limit(),
+                count, limit,
             )  # fmt: skip
             return True
 
@@ -101,9 +99,10 @@ class Guard:
         """After `done` of `total` shapes compiled from `maps_before` maps: ValidationError
         ("shape_set_too_large") if, at the maps each has taken, the whole set would pass
         `HIGH_WATER` of the limit."""
-        count, high_water = map_count(), self.high_water()
-        if None in (count, high_water, maps_before) or done == 0:
+        count, limit = map_count(), map_limit()
+        if None in (count, limit, maps_before) or done == 0:
             return
+        high_water = limit * HIGH_WATER
         per_shape = max(count - maps_before, 0) / done
         projected = maps_before + per_shape * total
         if projected < high_water:
@@ -113,7 +112,7 @@ class Guard:
             "shape_set_too_large",
             f"the shape set's {total} executables would take about {projected:,.0f} memory "
             f"maps (~{per_shape:.0f} each, measured on the first {done}), past "
-            f"{HIGH_WATER:.0%} of the {map_limit():,} this process may hold "
+            f"{HIGH_WATER:.0%} of the {limit:,} this process may hold "
             f"(vm.max_map_count): about {fits} fit. Narrow the limits, warm one backend, or "
             "raise the OS limit (sysctl -w vm.max_map_count=1048576); see "
             "docs/serving.md#compiled-shapes",
