@@ -246,6 +246,11 @@ def attend(
     return _merge(_own_parts(q, k, v, mask, layer))
 
 
+# (q [B,T,N,H], prefix k [K,H,P], prefix v [K,P,H], length [], scale) -> o [B,T,K,G,H], max and
+# exp sum [B,T,K,G,1], or None where the kernel does not apply.
+PrefixKernel = Callable[..., "tuple[jax.Array, jax.Array, jax.Array] | None"]
+
+
 class Prefix(NamedTuple):
     """K/V of a shared token prefix, in the layout the prefix matmul wants.
 
@@ -376,6 +381,7 @@ def extend(
     rows: jax.Array | None = None,
     return_kv: bool = False,
     prefix_blocks: int = 1,
+    prefix_kernel: PrefixKernel | None = None,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -391,6 +397,11 @@ def extend(
     prefix_blocks > 1 (a shared prefix only): the prefix is met in that many key blocks, those
     past the prefix's length skipped (`_prefix_parts`).
 
+    prefix_kernel (a shared prefix only): a fused CPU kernel for the rows' attention to the
+    prefix on layers without a window or soft-cap, called as (q, prefix_k, prefix_v, length,
+    scale) and returning `_prefix_parts`' result, or None where it does not apply; `_prefix_parts`
+    runs there, and wherever the step is lowered for a platform other than CPU.
+
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
     B, T = tokens.shape
@@ -401,14 +412,26 @@ def extend(
     prefix_mask = jnp.arange(P) < length  # [P] or [B, P]
 
     def prefix_parts(q, prefix_k, prefix_v, layer):
-        if rows is None:
+        if rows is not None:  # each row's own prefix, as keys [B, P, K, H] under mask [B, T, P]
+            k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
+            own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
+            return _own_parts(q, k, v, own_mask, layer)
+
+        def xla_ops():
             return _prefix_parts(
                 q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
             )
-        # Each row's own prefix, as keys [B, P, K, H] under mask [B, T, P].
-        k, v = prefix_k[rows].transpose(0, 3, 1, 2), prefix_v[rows].transpose(0, 2, 1, 3)
-        own_mask = prefix_mask[:, None] & within_window(positions, jnp.arange(P), layer.window)
-        return _own_parts(q, k, v, own_mask, layer)
+
+        if prefix_kernel is None or layer.window is not None or layer.softcap is not None:
+            return xla_ops()
+        scale = q.shape[-1] ** -0.5 if layer.scale is None else layer.scale
+
+        def fused():
+            parts = prefix_kernel(q, prefix_k, prefix_v, prefix.length, scale)
+            return xla_ops() if parts is None else parts
+
+        # A CPU kernel: a step lowered for another platform keeps XLA's ops.
+        return jax.lax.platform_dependent(cpu=fused, default=xla_ops)
 
     def step(x, layer_inputs):
         p, prefix_k, prefix_v, window = layer_inputs

@@ -61,6 +61,7 @@ from tpuscore.backends.contract import (
 )
 from tpuscore.backends.prefill_extend import memory
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache, Reuse
+from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
@@ -126,6 +127,13 @@ def key_blocks(size: int, width: int | None = None) -> int:
     return max(1, min(size // bucket_count(width or KEY_BLOCK_TOKENS), MAX_KEY_BLOCKS))
 
 
+def prefix_kernel() -> decoder.PrefixKernel | None:
+    """The fused CPU kernel for the attention to a shared query's K/V where this process can run
+    it (x86-64 with AVX-512; float32 only, which the kernel checks per call; steps lowered for
+    another platform keep XLA's ops): `decoder.extend`'s prefix_kernel."""
+    return cpu_attention.prefix_attention if cpu_attention.available() else None
+
+
 def keys_read(size: int, length: int, width: int | None = None) -> int:
     """Positions of a K/V buffer of `size` that a step meeting it in `key_blocks(size, width)`
     reads when it holds `length` keys: the blocks up to the one holding the last (all of one
@@ -159,7 +167,7 @@ def prefill(
     causal = jnp.tril(jnp.ones((1, R, R), bool))
     hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
-        prefix_blocks=key_blocks(prefix.k.shape[-1], R),
+        prefix_blocks=key_blocks(prefix.k.shape[-1], R), prefix_kernel=prefix_kernel(),
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -215,7 +223,9 @@ def score_items(
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
     blocks = key_blocks(prefix.k.shape[-1])
-    hidden, _ = decoder.extend(params, config, prefix, items, causal, prefix_blocks=blocks)
+    hidden, _ = decoder.extend(
+        params, config, prefix, items, causal, prefix_blocks=blocks, prefix_kernel=prefix_kernel()
+    )
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
     if label_ids.ndim == 2:
