@@ -32,7 +32,7 @@ def prefix_attention(
     G = N // K
     rows = jax.ShapeDtypeStruct((B * T, K, G), jnp.float32)
     call = jax.ffi.ffi_call(
-        "tpuscore_prefix_attention",
+        library.TARGET,
         (jax.ShapeDtypeStruct((B * T, K, G, H), jnp.float32), rows, rows),
         vmap_method="sequential",
     )

@@ -16,7 +16,6 @@ The cache lives in `TPUSCORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tpuscore/kerne
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -25,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -36,7 +36,8 @@ ENV = "TPUSCORE_CPU_KERNELS"
 CACHE_ENV = "TPUSCORE_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("prefix_attention.cc")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
-TARGETS = {"tpuscore_prefix_attention": "TpuscorePrefixAttention"}  # XLA name: library symbol
+TARGET = "tpuscore_prefix_attention"  # the FFI target's name in XLA
+SYMBOL = "TpuscorePrefixAttention"  # its handler in the library
 
 
 def cache_dir() -> Path:
@@ -54,7 +55,8 @@ def compiler() -> str | None:
 
 
 def _entry(cxx: str) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=60)
+    version = run.stdout
     key = hashlib.blake2b(digest_size=12)
     for part in (SOURCE.read_bytes(), version.encode(), jaxlib.__version__.encode(), str(FLAGS)):
         key.update(part if isinstance(part, bytes) else part.encode())
@@ -66,13 +68,24 @@ def _build(cxx: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
         command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
-        subprocess.run(command, capture_output=True, text=True, check=True)
+        subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
         os.replace(built, out)
 
 
-@functools.cache
+_registered: bool | None = None
+_lock = threading.Lock()  # two threads tracing their first steps at once build and register once
+
+
 def registered() -> bool:
     """Whether the kernels are registered with XLA:CPU (compiling them the first time)."""
+    global _registered
+    with _lock:
+        if _registered is None:
+            _registered = _register()
+        return _registered
+
+
+def _register() -> bool:
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false"):
         return False
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -87,13 +100,12 @@ def registered() -> bool:
             logger.info("Compiling the CPU attention kernel into %s", path)
             _build(cxx, path)
         library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
+    except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
         logger.warning("The CPU attention kernel did not build; XLA's ops run instead: %s", detail)
         return False
     if not library.tpuscore_cpu_supported():
         return False
-    for target, symbol in TARGETS.items():
-        handler = jax.ffi.pycapsule(getattr(library, symbol))
-        jax.ffi.register_ffi_target(target, handler, platform="cpu")
+    handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
+    jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
     return True

@@ -227,9 +227,10 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> length,
                            ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                            ffi::ResultBuffer<ffi::F32> l, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 3)
-    return ffi::Error::InvalidArgument("q must be [R, K, G, H] and k [K, H, P]");
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3 || kd[0] != qd[1] || kd[1] != qd[3] ||
+      vd[0] != kd[0] || vd[1] != kd[2] || vd[2] != kd[1])
+    return ffi::Error::InvalidArgument("q must be [R, K, G, H], k [K, H, P] and v [K, P, H]");
   Problem x{q.typed_data(), k.typed_data(), v.typed_data(), o->typed_data(), m->typed_data(),
             l->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[2], 0, scale};
   x.length = int(std::clamp<int64_t>(length.typed_data()[0], 0, x.P));
