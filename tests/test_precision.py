@@ -60,7 +60,7 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="issue 26 (open): mixed misses the 0.02 gate on some random checkpoints: "
+    reason="mixed's measured gap: it misses the 0.02 gate on some random checkpoints: "
     "TPUSCORE_TEST_SEED=2052208019 gives 0.039 in every JAX backend (bfloat16 0.029), operand "
     "rounding as on the default model (docs/runtime.md#precision)",
 )

@@ -1,9 +1,9 @@
-"""The CPU kernels' shared library: compiled from its C++ source on first use, kept in the user
-cache, registered with XLA:CPU as an FFI target.
+"""The CPU attention kernel's shared library: compiled from its C++ source on first use, kept in
+the user cache, registered with XLA:CPU as an FFI target.
 
 The package ships the source (`prefix_attention.cc`), not a binary: the first process that wants
 the kernel compiles it with the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`;
-about 5 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the source, the
+about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the source, the
 compiler and jaxlib, written under a temporary name and renamed into place (so two processes
 compiling at once both end with a whole one). Later processes load it. Where it cannot run (not
 Linux on x86-64, no compiler, a CPU without AVX-512F, a failed build) `registered()` is False and
@@ -55,11 +55,10 @@ def compiler() -> str | None:
 
 
 def _entry(cxx: str) -> Path:
+    """The library's path in the cache: keyed by the source, the compiler, jaxlib and the flags."""
     run = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=60)
-    version = run.stdout
-    key = hashlib.blake2b(digest_size=12)
-    for part in (SOURCE.read_bytes(), version.encode(), jaxlib.__version__.encode(), str(FLAGS)):
-        key.update(part if isinstance(part, bytes) else part.encode())
+    key = hashlib.blake2b(SOURCE.read_bytes(), digest_size=12)
+    key.update(f"{run.stdout}\n{jaxlib.__version__}\n{FLAGS}".encode())
     return cache_dir() / f"prefix_attention-{key.hexdigest()}.so"
 
 
