@@ -2,10 +2,11 @@
 // the query-side attention of prefill_extend's steps (`decoder.extend`), as an XLA FFI handler.
 //
 // XLA:CPU runs this attention as two matmuls with the masked softmax's max, exp and sum between
-// them, the scores in memory at every step. Here each block of RB rows of one kv head computes
-// its scores into a buffer that stays in L2, takes the max, exp and sum in one sweep per row while
-// the row is in L1, and multiplies by V in key blocks small enough for L1; only the prefix keys
-// before `length` are read. Output is unnormalized, as `decoder._prefix_parts` returns it: o (the
+// them, the scores in memory at every step. Here each block of kBlockRows rows of one kv head
+// computes its scores into a buffer that stays in L2, takes the max, exp and sum in one sweep per
+// row while the row is in L1, and multiplies by V in key blocks small enough for L1; only the
+// prefix keys before `length` enter the result (K is loaded to the next multiple of 32, masked;
+// V to `length`). Output is unnormalized, as `decoder._prefix_parts` returns it: o (the
 // exp-weighted sum of values), the row's max score m and exp sum l, which the caller merges with
 // the rows' own keys through their log-sum-exp.
 //
