@@ -1,1 +1,1 @@
-"""Device kernels, each with a pure-jnp reference beside it."""
+"""Device kernels, each with a pure-jnp reference (beside it, or named in its docstring)."""

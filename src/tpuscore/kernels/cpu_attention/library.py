@@ -16,6 +16,7 @@ The cache lives in `TPUSCORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tpuscore/kerne
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -71,19 +72,16 @@ def _build(cxx: str, out: Path) -> None:
         os.replace(built, out)
 
 
-_registered: bool | None = None
 _lock = threading.Lock()  # two threads tracing their first steps at once build and register once
 
 
 def registered() -> bool:
-    """Whether the kernels are registered with XLA:CPU (compiling them the first time)."""
-    global _registered
+    """Whether the kernel is registered with XLA:CPU (compiling it the first time)."""
     with _lock:
-        if _registered is None:
-            _registered = _register()
-        return _registered
+        return _register()
 
 
+@functools.cache
 def _register() -> bool:
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false"):
         return False
