@@ -2,30 +2,44 @@
 the user cache, registered with XLA:CPU as an FFI target.
 
 The package ships the source (`prefix_attention.cc`), not a binary: the first process that wants
-the kernel compiles it with the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`;
-about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the source, the
-compiler and jaxlib, written under a temporary name and renamed into place (so two processes
-compiling at once both end with a whole one). Later processes load it. Where it cannot run (not
-Linux on x86-64, no compiler, a CPU without AVX-512F, a failed build) `registered()` is False and
-callers keep XLA's own ops; `TPUSCORE_CPU_KERNELS=off` turns it off.
+the kernel compiles it with the system C++ compiler (`$CXX`, split as a shell would, so
+`CXX="ccache g++"` works; else `c++`, `g++` or `clang++`; about 6 s) against the XLA FFI headers
+jaxlib ships, into an entry keyed by the source, the compiler and jaxlib, written under a
+temporary name and renamed into place (so two processes compiling at once both end with a whole
+one; a killed build's temporary file is removed by a later one). Later processes load it; one
+that does not load is built again. Where it cannot run (not Linux on x86-64, no compiler, a CPU
+without AVX-512F, a failed build) `registered()` is False and callers keep XLA's own ops;
+`TPUSCORE_CPU_KERNELS=off` turns it off.
+
+Loading a library runs its code, so the cache is trusted only when no other user could have
+written it: the folder (and every folder above it, unless sticky like /tmp) must be owned by
+this user (or root) and not writable by group or others, and the library owned by this user
+and not writable by others. A folder that fails this is refused with a warning and the kernel
+is built into a private temporary folder for this process instead; a library file that fails
+it is removed and built again.
 
 The cache lives in `TPUSCORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tpuscore/kernels` (default
-`~/.cache/tpuscore/kernels`).
+`~/.cache/tpuscore/kernels`). `tpuscore cache` lists, sizes and clears it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -39,6 +53,9 @@ SOURCE = Path(__file__).with_name("prefix_attention.cc")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
 TARGET = "tpuscore_prefix_attention"  # the FFI target's name in XLA
 SYMBOL = "TpuscorePrefixAttention"  # its handler in the library
+SUPPORTED = "tpuscore_cpu_supported"  # whether this CPU runs it
+STALE_SECONDS = 24 * 3600  # a temporary build file no live process can be writing
+WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def cache_dir() -> Path:
@@ -49,28 +66,178 @@ def cache_dir() -> Path:
     return Path(base) / "tpuscore" / "kernels"
 
 
-def compiler() -> str | None:
-    return os.environ.get("CXX") or next(
-        filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None
+def compiler() -> list[str] | None:
+    """The compiler's command: `$CXX` split as a shell would (ValueError if it cannot be), else
+    the first of c++, g++ and clang++ on the PATH; None if there is none."""
+    configured = os.environ.get("CXX", "").strip()
+    if configured:
+        command = shlex.split(configured)
+        if command:
+            return command
+    found = next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
+    return None if found is None else [found]
+
+
+def entry_name(cxx: list[str]) -> str:
+    """The library's file name in the cache: keyed by the source, the compiler, jaxlib and the
+    flags."""
+    run = subprocess.run(
+        [*cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
     )
-
-
-def _entry(cxx: str) -> Path:
-    """The library's path in the cache: keyed by the source, the compiler, jaxlib and the flags."""
-    run = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=60)
     key = hashlib.blake2b(SOURCE.read_bytes(), digest_size=12)
     key.update(f"{run.stdout}\n{jaxlib.__version__}\n{FLAGS}".encode())
-    return cache_dir() / f"prefix_attention-{key.hexdigest()}.so"
+    return f"prefix_attention-{key.hexdigest()}.so"
 
 
-def _build(cxx: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        built = Path(tmp) / out.name
-        command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+# ---------------------------------------------------------------------------------------------
+# Trust: who could have written the folder and the file
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why code in `folder` could have been written by another user, or None if it could not:
+    the folder must be this user's and writable by no one else; each folder above it this
+    user's or root's, and writable by no one else unless sticky (as /tmp is)."""
+    uid = os.getuid()
+    real = folder.resolve()
+    for path in (real, *real.parents):
+        info = os.stat(path)
+        leaf = path == real
+        owners = (uid,) if leaf else (uid, 0)
+        if info.st_uid not in owners:
+            return f"{path} is owned by uid {info.st_uid}, not by this user (uid {uid})"
+        sticky = not leaf and info.st_mode & stat.S_ISVTX
+        if info.st_mode & WRITABLE_BY_OTHERS and not sticky:
+            return f"{path} is writable by other users (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why the library file `path` cannot be trusted (not a regular file of this user's, or
+    writable by others), or None."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a regular file"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if info.st_mode & WRITABLE_BY_OTHERS:
+        return f"{path} is writable by other users (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def _private_folder(folder: Path) -> None:
+    """Create the missing folders of `folder`, readable and writable by this user only."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it
+            path.mkdir(mode=0o700)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading
+
+
+def load_library(cxx: list[str], folder: Path | None = None) -> ctypes.CDLL | None:
+    """The kernel's library from `folder` (default `cache_dir()`), built there first if absent,
+    untrusted or unloadable; built into a private temporary folder if `folder` is untrusted.
+    None, with a warning, when it does not build or load."""
+    folder = cache_dir() if folder is None else folder
+    try:
+        name = entry_name(cxx)
+        _private_folder(folder)
+        problem = folder_problem(folder)
+        if problem is None:
+            clean_leftovers(folder)
+            return _load_or_build(cxx, folder / name)
+        logger.warning(
+            "Not using the kernel cache %s: %s (another user could plant code there). Building "
+            "the CPU attention kernel into a private temporary folder for this process; make "
+            "the folder yours and writable by you only (chmod go-w) or set %s to keep builds.",
+            folder,
+            problem,
+            CACHE_ENV,
+        )
+        with tempfile.TemporaryDirectory(prefix="tpuscore-kernel-") as private:
+            return _load_or_build(cxx, Path(private) / name)  # a loaded library outlives its file
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("The CPU attention kernel did not build; XLA's ops run instead: %s", detail)
+        return None
+
+
+def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
+    if path.exists() or path.is_symlink():
+        problem = file_problem(path)
+        if problem is None:
+            try:
+                return _open(path)
+            except OSError as error:
+                problem = f"it does not load: {error}"
+        logger.warning("Building the CPU attention kernel %s again: %s", path, problem)
+        path.unlink()
+    logger.info("Compiling the CPU attention kernel into %s", path)
+    _build(cxx, path)
+    return _open(path)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    for symbol in (SYMBOL, SUPPORTED):
+        if not hasattr(library, symbol):
+            raise OSError(f"{path} has no symbol {symbol}")
+    return library
+
+
+def _temporary_prefix() -> str:
+    return f".build-{os.getpid()}-{_host()}-"
+
+
+def _build(cxx: list[str], out: Path) -> None:
+    fd, name = tempfile.mkstemp(prefix=_temporary_prefix(), suffix=".so", dir=out.parent)
+    os.close(fd)
+    built = Path(name)
+    try:
+        command = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
         subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+        os.chmod(built, 0o755)  # whatever the umask: writable by this user only
         os.replace(built, out)
+    finally:
+        built.unlink(missing_ok=True)
 
+
+@functools.cache
+def _host() -> str:
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def clean_leftovers(folder: Path, stale_seconds: float = STALE_SECONDS) -> list[Path]:
+    """Remove temporary build files whose process on this host is gone, and any older than
+    `stale_seconds`. Returns what was removed."""
+    removed = []
+    for path in folder.glob(".build-*"):
+        try:
+            age = time.time() - path.lstat().st_mtime
+        except OSError:
+            continue
+        _, pid, host, _ = (path.name.split("-", 3) + ["", "", ""])[:4]
+        dead = host == _host() and pid.isdigit() and not _alive(int(pid))
+        if dead or age > stale_seconds:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
 
 _lock = threading.Lock()  # two threads tracing their first steps at once build and register once
 
@@ -87,21 +254,18 @@ def _register() -> bool:
         return False
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    cxx = compiler()
+    try:
+        cxx = compiler()
+    except ValueError as error:
+        logger.warning(
+            "CXX=%r cannot be split (%s); XLA's ops run instead", os.environ["CXX"], error
+        )
+        return False
     if cxx is None:
         logger.info("No C++ compiler: the CPU attention kernel is off (XLA's ops run instead).")
         return False
-    try:
-        path = _entry(cxx)
-        if not path.exists():
-            logger.info("Compiling the CPU attention kernel into %s", path)
-            _build(cxx, path)
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        logger.warning("The CPU attention kernel did not build; XLA's ops run instead: %s", detail)
-        return False
-    if not library.tpuscore_cpu_supported():
+    library = load_library(cxx)
+    if library is None or not getattr(library, SUPPORTED)():
         return False
     handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
     jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")

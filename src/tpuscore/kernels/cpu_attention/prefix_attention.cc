@@ -40,9 +40,11 @@ constexpr int kBlockRows = 48;  // rows per block: 4 score tiles, 8 value tiles
 constexpr int kValueKeys = 64;  // keys per value block: 64 x 64 floats of V stay in L1
 constexpr float kLowest = -3.4028234663852886e38f;  // finfo(float32).min, as jnp's masked max
 
-// exp over 16 lanes for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n).
+// exp over 16 lanes for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): NaN
+// for NaN, 0 below -87 (-inf included), as XLA's exp gives them (so 0 * inf is NaN in both).
 inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN in the second operand stays NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -54,7 +56,7 @@ inline __m512 Exp(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(above, _mm512_scalef_ps(p, n));
 }
 
 inline __mmask16 Lanes(int64_t count) {  // the first `count` lanes (all from 16 on)
@@ -108,12 +110,18 @@ template <int C>
     for (int j = 0; j < C; ++j) _mm512_mask_storeu_ps(o + i * H + c0 + 16 * j, lanes[j], acc[i][j]);
 }
 
-// Max, exp and sum of one row's scores s[0:length] in place; s[length:padded] set to 0.
-inline void Softmax(float* s, int length, int padded, float* m, float* l) {
-  __m512 top = _mm512_set1_ps(kLowest);
-  for (int p = 0; p < length; p += 16)
-    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, Lanes(length - p), s + p));
-  const float max = _mm512_reduce_max_ps(top);
+// Max, exp and sum of one row's scores s[0:length] in place; s[length:padded] set to 0. As
+// `_masked_exp` over the prefix's P keys: the max is NaN if a score is, and starts from
+// finfo.min where keys past `length` are masked (-inf where none is).
+inline void Softmax(float* s, int length, int padded, bool masked, float* m, float* l) {
+  __m512 top = _mm512_set1_ps(masked ? kLowest : -INFINITY);
+  __mmask16 nan = 0;
+  for (int p = 0; p < length; p += 16) {
+    const __m512 x = _mm512_mask_loadu_ps(top, Lanes(length - p), s + p);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, x);
+  }
+  const float max = nan ? NAN : _mm512_reduce_max_ps(top);
   const __m512 shift = _mm512_set1_ps(max);
   __m512 sum = _mm512_setzero_ps();
   for (int p = 0; p < padded; p += 16) {
@@ -169,7 +177,8 @@ void Block(const Problem& x, int64_t head, int64_t r0) {
     for (int i0 = 0; i0 < kBlockRows; i0 += kScoreRows)
       ScoreTile(&rows[i0 * H], H, k, x.P, &scores[i0 * padded], padded, p0);
   for (int i = 0; i < count; ++i)
-    Softmax(&scores[i * padded], x.length, padded, &x.m[offset(i)], &x.l[offset(i)]);
+    Softmax(&scores[i * padded], x.length, padded, x.length < x.P, &x.m[offset(i)],
+            &x.l[offset(i)]);
   const int tiles = (count + kValueRows - 1) / kValueRows * kValueRows;
   for (int p0 = 0; p0 < x.length; p0 += kValueKeys) {  // the exps past length are 0: skipped
     const int p1 = std::min(x.length, p0 + kValueKeys);
