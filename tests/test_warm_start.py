@@ -87,6 +87,7 @@ def jax_cache_settings():
 
     names = (
         "jax_compilation_cache_dir",
+        "jax_compilation_cache_max_size",
         "jax_persistent_cache_min_compile_time_secs",
         "jax_persistent_cache_min_entry_size_bytes",
     )
