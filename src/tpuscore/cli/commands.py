@@ -1,4 +1,5 @@
-"""The `tpuscore` command: score, rank and loglikelihood over JSON; serve; bench; calibrate.
+"""The `tpuscore` command: score, rank and loglikelihood over JSON; serve; bench; calibrate;
+cache.
 
     echo '{"query": "The capital of France is", "items": [""], "labels": [" Paris"]}' \\
         | tpuscore score
@@ -8,6 +9,7 @@
     tpuscore serve --port 8000
     tpuscore bench
     tpuscore calibrate --out my-device.json
+    tpuscore cache size
 
 Input is read from a file, or from stdin when the file is "-" or left out. It is JSON, one
 request object or a list of them, or JSON Lines, one request object per line. A request object
@@ -42,6 +44,7 @@ import numpy as np
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
+from tpuscore.cli import cache
 
 USAGE_ERROR = 2  # bad input or arguments, as argparse exits
 ENVIRONMENT_ERROR = 1  # what the command needs is not installed
@@ -237,6 +240,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="every geometry, not the quick mode")
     p.add_argument("--script", type=Path, help="the bench.py to run (default: the checkout's)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to bench.py")
+
+    cache.add_parser(sub, _run_cache)
 
     help = "fit a device profile for auto on this machine (tpuscore calibrate --help)"
     p = sub.add_parser("calibrate", add_help=False, help=help, description=help)
@@ -618,6 +623,14 @@ def _run_job(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(summary.line(), file=sys.stderr)
     return 0
+
+
+def _run_cache(args: argparse.Namespace) -> int:
+    """`tpuscore cache` (cli/cache.py); a malformed size setting is bad input."""
+    try:
+        return cache.run(args)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def bench_script() -> Path | None:

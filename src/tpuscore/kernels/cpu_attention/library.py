@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -169,7 +170,10 @@ def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
         problem = file_problem(path)
         if problem is None:
             try:
-                return _open(path)
+                library = _open(path)
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # its last use, which `tpuscore cache list` shows
+                return library
             except OSError as error:
                 problem = f"it does not load: {error}"
         logger.warning("Building the CPU attention kernel %s again: %s", path, problem)
@@ -234,6 +238,32 @@ def _alive(pid: int) -> bool:
     except OSError:  # another user's process
         return True
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Entries, for `tpuscore cache`
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    bytes: int
+    last_used: float  # seconds since the epoch: its last load
+
+
+def entries(folder: Path | None = None) -> list[Entry]:
+    """The built libraries in `folder` (default `cache_dir()`), least recently used first."""
+    folder = cache_dir() if folder is None else folder
+    found = []
+    for path in folder.glob("prefix_attention-*.so"):
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            found.append(Entry(path, info.st_size, info.st_mtime))
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def remove(entry: Path) -> None:
+    entry.unlink(missing_ok=True)  # a process that loaded it keeps it
 
 
 # ---------------------------------------------------------------------------------------------
