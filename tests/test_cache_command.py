@@ -67,6 +67,7 @@ def test_size_gives_totals_and_caps(caches, capsys):
     assert lines[0].split()[:3] == ["weights", "1", "entry"]
     assert cache_command.human(weights.bytes) in lines[0] and "(cap 10.0 GiB)" in lines[0]
     assert lines[1].split()[:5] == ["kernels", "2", "entries", "3.9", "KiB"]
+    assert "(cap 8 builds)" in lines[1]
     assert lines[2].split()[:5] == ["compilation", "3", "entries", "2.0", "KiB"]
     assert "(cap 2.0 GiB)" in lines[2]
     assert lines[3].split()[0] == "total"

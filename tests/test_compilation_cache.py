@@ -4,6 +4,7 @@ compile of its key; what an older JAX or a killed write left is tidied when it i
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -153,3 +154,20 @@ def test_enabling_tidies_what_an_older_jax_or_a_killed_write_left(tmp_path, jax_
         _compile_new()
     assert not [w for w in caught if "persistent compilation cache" in str(w.message)]
     assert not old.exists() and len(compilation_cache.entries(root)) == 1
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_folder_others_can_write_is_refused(tmp_path, jax_cache_settings, caplog, mode):
+    """JAX runs what it loads: a folder another user could write stays unused, with a
+    warning; a missing one is created private."""
+    before = jax.config.jax_compilation_cache_dir
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+        assert compilation_cache.enable(shared) is None
+    assert "writable by other users" in caplog.text
+    assert jax.config.jax_compilation_cache_dir == before
+    created = tmp_path / "new" / "cc"
+    assert compilation_cache.enable(created) == str(created)
+    assert created.stat().st_mode & 0o077 == 0

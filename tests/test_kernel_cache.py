@@ -174,6 +174,23 @@ def test_a_killed_builds_temporary_file_goes(cxx, stand_in, folder):
     assert not leftover.exists() and not old.exists() and live.exists()
 
 
+def test_the_least_recently_loaded_builds_go_past_the_cap(cxx, stand_in, folder, monkeypatch):
+    """Builds for other compilers or jaxlibs stay up to TPUSCORE_KERNEL_CACHE_MAX_ENTRIES (this
+    process's counts), the least recently loaded going first."""
+    others = [folder / f"prefix_attention-other{n}.so" for n in range(3)]
+    for n, path in enumerate(others):
+        path.write_bytes(b"an older build")
+        os.utime(path, (0, 1000 + n))
+    monkeypatch.setenv(library.MAX_ENTRIES_ENV, "3")
+    library.load_library(cxx, folder)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [library.entry_name(cxx), others[1].name, others[2].name]
+    )
+    monkeypatch.setenv(library.MAX_ENTRIES_ENV, "1")
+    library.load_library(cxx, folder)
+    assert [p.name for p in folder.iterdir()] == [library.entry_name(cxx)]
+
+
 def test_a_failed_build_warns_and_leaves_nothing(stand_in, folder, caplog, monkeypatch):
     monkeypatch.setattr(library, "SOURCE", folder.parent / "missing.cc")
     with caplog.at_level(logging.WARNING, logger=library.__name__):

@@ -29,7 +29,7 @@ class Cache:
     kind: str
     folder: Path | None  # None: turned off
     setting: str  # the environment variable that moves it
-    cap: int | None  # bytes, None: none
+    cap: str  # what bounds it
     entries: Callable[[Path], list[Any]]  # objects with path, bytes, last_used
     remove: Callable[[Path], None]
     tidy: Callable[[Path], Any]
@@ -47,7 +47,7 @@ def caches() -> dict[str, Cache]:
             "weights",
             weight_cache.cache_dir(),
             weight_cache.ENV,
-            weight_cache.max_size(),
+            human(weight_cache.max_size()),
             weight_cache.entries,
             weight_cache.remove,
             weight_cache.clean_leftovers,
@@ -56,7 +56,7 @@ def caches() -> dict[str, Cache]:
             "kernels",
             library.cache_dir(),
             library.CACHE_ENV,
-            None,
+            f"{library.max_entries()} builds",
             library.entries,
             library.remove,
             library.clean_leftovers,
@@ -65,7 +65,7 @@ def caches() -> dict[str, Cache]:
             "compilation",
             Path(compiled) if compiled else None,
             compilation_cache.ENV,
-            compilation_cache.max_size(),
+            human(compilation_cache.max_size()),
             compilation_cache.entries,
             compilation_cache.remove,
             compilation_cache.tidy,
@@ -118,8 +118,8 @@ def _size(chosen: list[Cache]) -> None:
         found = _entries(cache)
         total = sum(e.bytes for e in found)
         grand += total
-        cap = "" if cache.cap is None else f" (cap {human(cache.cap)})"
-        print(f"{cache.kind:<12} {_count(len(found)):>12} {human(total):>10}  {_where(cache)}{cap}")
+        line = f"{cache.kind:<12} {_count(len(found)):>12} {human(total):>10}  {_where(cache)}"
+        print(f"{line} (cap {cache.cap})")
     if len(chosen) > 1:
         print(f"{'total':<12} {'':>12} {human(grand):>10}")
 

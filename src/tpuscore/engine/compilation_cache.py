@@ -8,6 +8,9 @@ most CPU compiles out; tpuscore caches every one.
 - Bounded: JAX's own cap (`jax_compilation_cache_max_size`) evicts the least recently used
   entries past `TPUSCORE_COMPILATION_CACHE_MAX_SIZE` (default 2 GiB; "4G", "512M" or bytes; 0
   turns caching off); a directory already over the cap is trimmed when the cache is enabled.
+- Trusted: JAX runs the executables it loads, so a folder another user could write (the kernel
+  cache's rule, `kernels/cpu_attention/library.py`) is refused with a warning and the cache
+  stays off; a missing folder is created readable by this user only.
 - Healing: JAX writes an entry in place (a killed write leaves half of one) and never replaces
   an entry it could not read (it warns and compiles again, every time). tpuscore's cache writes
   aside and renames, and a put replaces what is there: JAX puts a key only after it missed it or
@@ -91,7 +94,16 @@ def enable(path: str | os.PathLike | None = None, max_bytes: int | None = None) 
         return None
     path = os.fspath(os.path.abspath(os.path.expanduser(path)))
     cap = max_size() if max_bytes is None else max_bytes
-    os.makedirs(path, exist_ok=True)
+    problem = _untrusted(Path(path))
+    if problem is not None:
+        logger.warning(
+            "Not caching compiled executables in %s: %s. JAX runs what it loads from there, so "
+            "another user could run code as you; make the folder yours and writable by you "
+            "only (chmod go-w), or choose another.",
+            path,
+            problem,
+        )
+        return None
     tidy(Path(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
@@ -102,6 +114,17 @@ def enable(path: str | os.PathLike | None = None, max_bytes: int | None = None) 
     jax_cache.reset_cache()
     _install(path, cap)
     return path
+
+
+def _untrusted(folder: Path) -> str | None:
+    """Why another user could have written `folder` (creating it, private, if missing), or None:
+    the kernel cache's rule (`library.folder_problem`)."""
+    from tpuscore.kernels.cpu_attention import library
+
+    library.private_folder(folder)
+    if not hasattr(os, "getuid"):  # Windows: no owner or mode bits to check
+        return None
+    return library.folder_problem(folder)
 
 
 # ---------------------------------------------------------------------------------------------

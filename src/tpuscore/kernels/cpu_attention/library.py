@@ -19,7 +19,8 @@ is built into a private temporary folder for this process instead; a library fil
 it is removed and built again.
 
 The cache lives in `TPUSCORE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tpuscore/kernels` (default
-`~/.cache/tpuscore/kernels`). `tpuscore cache` lists, sizes and clears it.
+`~/.cache/tpuscore/kernels`), keeping the 8 most recently loaded builds
+(`TPUSCORE_KERNEL_CACHE_MAX_ENTRIES`). `tpuscore cache` lists, sizes and clears it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "TPUSCORE_CPU_KERNELS"
 CACHE_ENV = "TPUSCORE_KERNEL_CACHE"
+MAX_ENTRIES_ENV = "TPUSCORE_KERNEL_CACHE_MAX_ENTRIES"
+DEFAULT_MAX_ENTRIES = 8  # builds for other compilers or jaxlibs beyond these go, oldest first
 SOURCE = Path(__file__).with_name("prefix_attention.cc")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
 TARGET = "tpuscore_prefix_attention"  # the FFI target's name in XLA
@@ -125,7 +128,7 @@ def file_problem(path: Path) -> str | None:
     return None
 
 
-def _private_folder(folder: Path) -> None:
+def private_folder(folder: Path) -> None:
     """Create the missing folders of `folder`, readable and writable by this user only."""
     missing = [p for p in (folder, *folder.parents) if not p.exists()]
     for path in reversed(missing):
@@ -144,11 +147,18 @@ def load_library(cxx: list[str], folder: Path | None = None) -> ctypes.CDLL | No
     folder = cache_dir() if folder is None else folder
     try:
         name = entry_name(cxx)
-        _private_folder(folder)
+        private_folder(folder)
         problem = folder_problem(folder)
         if problem is None:
             clean_leftovers(folder)
-            return _load_or_build(cxx, folder / name)
+            library = _load_or_build(cxx, folder / name)
+            try:
+                limit = max_entries()
+            except ValueError as error:
+                logger.warning("%s; keeping %d", error, DEFAULT_MAX_ENTRIES)
+                limit = DEFAULT_MAX_ENTRIES
+            evict(folder, limit, keep=folder / name)
+            return library
         logger.warning(
             "Not using the kernel cache %s: %s (another user could plant code there). Building "
             "the CPU attention kernel into a private temporary folder for this process; make "
@@ -264,6 +274,27 @@ def entries(folder: Path | None = None) -> list[Entry]:
 
 def remove(entry: Path) -> None:
     entry.unlink(missing_ok=True)  # a process that loaded it keeps it
+
+
+def max_entries() -> int:
+    """How many builds the cache keeps: TPUSCORE_KERNEL_CACHE_MAX_ENTRIES, else 8."""
+    value = os.environ.get(MAX_ENTRIES_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_ENTRIES
+    if not value.isdigit():
+        raise ValueError(f"{MAX_ENTRIES_ENV}={value!r} is not a whole number of builds")
+    return int(value)
+
+
+def evict(folder: Path, count: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently loaded builds until `folder` holds at most `count` (never
+    `keep`); returns the removed ones."""
+    found = [e.path for e in entries(folder) if e.path != keep]
+    removed = found[: max(0, len(found) + (keep is not None) - count)]
+    for path in removed:
+        logger.info("evicting the CPU kernel build %s", path)
+        remove(path)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------

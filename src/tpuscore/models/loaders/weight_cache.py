@@ -145,9 +145,12 @@ def load_cached(
     root = cache_dir()
     if root is None:
         return read()
-    clean_leftovers(root)
+    try:
+        clean_leftovers(root)
+    except OSError as e:  # an unreadable cache folder: the entry below fails the same way
+        logger.warning("could not tidy the weight cache %s: %s", root, e)
     entry = root / f"{file_hash(path)}-{np.dtype(dtype).name}-{code_key()}"
-    if entry.exists():
+    if _exists(entry):
         try:
             loaded = _read_entry(entry)
         except Exception as e:  # noqa: BLE001 (whatever is wrong with it, the entry goes)
@@ -199,6 +202,13 @@ def entries(root: Path | None = None) -> list[Entry]:
         except OSError:  # removed meanwhile
             continue
     return sorted(found, key=lambda e: e.last_used)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder this user cannot read: as good as empty
+        return False
 
 
 def _touch(entry: Path) -> None:
