@@ -135,12 +135,15 @@ class Scorer:
         return self.engine.plan(self.prepare(query, items, label_token_ids, **options))
 
     def rank(
-        self, query: Query, items: Items, *, positive: int = 0, top_k: int | None = None,
+        self, query: Query, items: Items, *, positive: int | None = None, top_k: int | None = None,
         template: str | Template | None = None, instruction: str | None = None,
         backend: str | None = None, show_progress: bool = False, **options: Any,
     ) -> list[RankedItem]:  # fmt: skip
         """The items sorted by the positive label's probability within the labels (at least
-        two; or a template's), best first, ties in input order. Options: `ScoreOptions`."""
+        two; or a template's), best first, ties in input order. positive: default the first
+        label, or on a classification model the relevant class (the last), as the server's
+        rerank ranks; a template there supplies the text and suffix, not labels. Options:
+        `ScoreOptions`."""
         return ranking.rank(
             self.engine, query, items, ScoreOptions.from_mapping(options), positive=positive,
             top_k=top_k, template=template, instruction=instruction, backend=backend,

@@ -440,7 +440,7 @@ class Batcher:
                 self._cond.notify_all()
                 return
         if self._settle(entry):  # before its caller wakes, so that it may submit at once
-            _complete(entry.future, result=_joined(entry.parts, entry.request))
+            _complete(entry.future, result=ScoreResult.concat(entry.parts))
 
     def _next_batch(self) -> list[tuple[_Pending, ScoreRequest]] | None:
         """Wait for requests, then until the batch is full or its oldest has waited max_wait_ms
@@ -560,19 +560,6 @@ def estimate_tokens(query: Any, items: Any) -> int:
 
 def _tokens(request: ScoreRequest) -> int:
     return len(request.query) + sum(map(len, request.items))
-
-
-def _joined(parts: list[ScoreResult], request: ScoreRequest) -> ScoreResult:
-    """The result of a request scored over several batches, from each batch's."""
-    if len(parts) == 1:
-        return parts[0]
-    backends = dict.fromkeys(p.backend for p in parts if p.backend != "none")
-    return ScoreResult(
-        np.concatenate([p.logprobs for p in parts]),
-        "+".join(backends) or "none",
-        sum(p.num_tokens for p in parts),
-        request.apply_softmax,
-    )
 
 
 def _complete(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
