@@ -287,9 +287,12 @@ class Recorder(Spy):
         self.prepared_at: list[float] = []  # per prepare: time.monotonic() as it returned
         self.prepare_s = prepare_s
 
-    @property
-    def engine(self):
-        return RecordedEngine(self)
+    def prepare_request(self, request, *, backend=None):
+        self.prepared_in.append(threading.current_thread())
+        time.sleep(self.prepare_s)
+        prepared = self.scorer.prepare_request(request, backend=backend)
+        self.prepared_at.append(time.monotonic())
+        return prepared
 
     def run(self, requests, *, backend=None):
         if requests:
@@ -299,23 +302,6 @@ class Recorder(Spy):
 
     def queries_run(self) -> list:
         return [r.query for run in self.ran for r in run]
-
-
-class RecordedEngine:
-    """The scorer's engine, its prepare (the tokenization) recorded by a Recorder."""
-
-    def __init__(self, recorder):
-        self.recorder = recorder
-
-    def __getattr__(self, name):
-        return getattr(self.recorder.scorer.engine, name)
-
-    def prepare(self, *args, **kwargs):
-        self.recorder.prepared_in.append(threading.current_thread())
-        time.sleep(self.recorder.prepare_s)
-        prepared = self.recorder.scorer.engine.prepare(*args, **kwargs)
-        self.recorder.prepared_at.append(time.monotonic())
-        return prepared
 
 
 def _scored(recorder, request: dict) -> bool:

@@ -14,7 +14,7 @@ A long-lived service bounds everything it holds, and spends no work on a request
 
 - Admission before cost: a submission is refused (`Overloaded`) on queue depth and on a token
   estimate from the text's byte length, before anything is tokenized. Then the request is
-  validated and tokenized (as `scorer.prepare` does): in the caller's thread for `submit` and
+  validated and tokenized (`scorer.prepare_request`): in the caller's thread for `submit` and
   `score`, in a small bounded thread pool for `score_async`, so an event loop keeps serving
   meanwhile. A bad input raises at its caller and never reaches a batch.
 - Deadlines and cancellation: a request carries a deadline (`timeout_s`, default the batcher's
@@ -40,17 +40,16 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
-from tpuscore.backends import registry
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,20 @@ ESTIMATE_BYTES_PER_TOKEN = 4
 # Threads that tokenize `score_async` requests. Tokenizers release the GIL while they encode, so
 # two keep an event loop responsive while using the spare cores; more only queue behind the GIL.
 DEFAULT_TOKENIZE_WORKERS = 2
+
+
+class Scoring(Protocol):
+    """What the Batcher needs of a `Scorer`: prepare a request given as a mapping of `score`'s
+    arguments, and run prepared requests together. Any object with these two calls will do (the
+    scheduling tests run a fake one that compiles nothing)."""
+
+    def prepare_request(
+        self, request: Mapping[str, Any], *, backend: str | None = None
+    ) -> ScoreRequest: ...
+
+    def run(
+        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
+    ) -> list[ScoreResult]: ...
 
 
 class Overloaded(RuntimeError):
@@ -146,7 +159,7 @@ class Batcher:
 
     def __init__(
         self,
-        scorer: Any,
+        scorer: Scoring,
         *,
         max_wait_ms: float = 2.0,
         max_batch_tokens: int | None = None,
@@ -335,11 +348,7 @@ class Batcher:
         (cancelled, or past its deadline). A bad request releases its place and raises."""
         try:
             kwargs = {k: v for k, v in score_kwargs.items() if k != "backend"}
-            query, items, options = validation.request_arguments(kwargs)
-            request = self.scorer.engine.prepare(query, items, options)
-            name = self.scorer.engine.backend_name(entry.backend)
-            if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
-                registry.check_capabilities(name, request.item_first)
+            request = self.scorer.prepare_request(kwargs, backend=entry.backend)
         except BaseException as error:
             self._prepared(entry)
             if self._settle(entry):  # score_async awaits the future: it raises there too
