@@ -20,7 +20,10 @@ A long-lived service bounds everything it holds, and spends no work on a request
 - Deadlines and cancellation: a request carries a deadline (`timeout_s`, default the batcher's
   `request_timeout_s`). At its deadline its future fails with `DeadlineExceeded`; a caller may
   cancel its future (`score_async` does when its task is cancelled, as on a client disconnect).
-  Either way the request is dropped from the queue before its next step runs, never scored.
+  The outcome depends only on the order of that and the dispatch of the request's next step
+  (the worker taking it from the queue, under the batcher's lock): before, the request leaves
+  the queue and is never scored; after, the dispatched step is finished with its batch and its
+  result discarded, and no later step of it is dispatched.
 - Fairness: the worker schedules by tokens. Each batch takes at most `max_request_step_tokens`
   of one request's query and item tokens, and a request with items left goes back to the end
   of the queue, so a 4,096-item request runs as a series of steps between which small requests
@@ -237,7 +240,8 @@ class Batcher:
 
         Returns:
             A future of the request's `ScoreResult`, or of the error its backend step raised, or
-            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored.
+            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored, unless its next step was
+            already dispatched (then that step's result is discarded).
 
         Raises:
             ValidationError: a bad request, an unknown backend or a bad timeout_s, as
@@ -403,7 +407,7 @@ class Batcher:
 
     def _expire(self, entry: _Pending) -> None:
         if self._settle(entry):
-            logger.info("a request passed its %g s deadline unscored: dropped", entry.timeout_s)
+            logger.info("a request passed its %g s deadline: dropped", entry.timeout_s)
             _complete(entry.future, error=DeadlineExceeded(entry.timeout_s))
 
     def _expire_due(self) -> None:
@@ -514,13 +518,14 @@ class Batcher:
     def _run(
         self, batch: list[tuple[_Pending, ScoreRequest]]
     ) -> list[tuple[ScoreResult | None, Exception | None]]:
-        """(result, error) per chunk: one `scorer.run` per backend named in the batch. A request
-        settled meanwhile (cancelled, past its deadline) gets (None, None) and is not run."""
+        """(result, error) per chunk: one `scorer.run` per backend named in the batch. Every
+        chunk runs: its request was live when the batch was dispatched, and one settled since
+        (cancelled, past its deadline) has its result discarded by `_advance`, so that whether
+        a request is scored never depends on how far the worker got when it was cancelled."""
         outcomes: list[tuple[ScoreResult | None, Exception | None]] = [(None, None)] * len(batch)
         by_backend: dict[str | None, list[int]] = {}
         for i, (entry, _) in enumerate(batch):
-            if not entry.settled:
-                by_backend.setdefault(entry.backend, []).append(i)
+            by_backend.setdefault(entry.backend, []).append(i)
         for backend, members in by_backend.items():
             requests = [batch[i][1] for i in members]
             try:
