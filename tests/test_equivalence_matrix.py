@@ -291,3 +291,67 @@ def read_output(output, fmt: str) -> pa.Table:
         with open(os.path.join(output, part)) as lines:
             rows += [json.loads(line) for line in lines]
     return pa.Table.from_pylist(rows)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for the module (as tests/test_ray.py starts one)."""
+    import ray
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def ray_params():
+    return [
+        pytest.param(c, m, id=f"{c}-{m}", marks=[JOBS_BRANCH] if c != CAUSAL else [])
+        for c, m in CASE_MODES
+    ]
+
+
+@pytest.mark.slow  # a local Ray cluster: its worker processes start, import JAX and compile
+@pytest.mark.parametrize("case, mode", ray_params())
+def test_ray_data_equals_the_library(doors, ray_cluster, checkpoint_dir, case, mode):
+    import ray
+
+    from tpuscore.integrations.ray import score_dataset
+
+    d = doors(case, mode)
+
+    @hypothesis.settings(QUICK, max_examples=2)
+    @hypothesis.given(
+        request=score_requests(d.classification, min_items=1),
+        batch_size=st.integers(1, PAGE_ITEMS + 1),
+    )
+    def run(request, batch_size):
+        reference = d.scorer.score(**request)
+        n = len(request["items"])
+        table = pa.table(
+            {"i": list(range(n)), "query": [request["query"]] * n, "item": request["items"]}
+        )
+        labels = request.get("labels")
+        scored = score_dataset(
+            ray.data.from_arrow(table),
+            model=str(checkpoint_dir(case)),
+            dtype="float32",
+            scorer_options={"batch_invariant": mode == "batch_invariant"},
+            labels=labels,
+            id_columns=["i"],
+            batch_size=batch_size,
+            concurrency=1,
+            num_cpus=1,
+        )
+        out = pa.concat_tables(ray.get(scored.to_arrow_refs())).sort_by("i")
+        assert out.column("i").to_pylist() == list(range(n))
+        assert out.column("error_code").to_pylist() == [None] * n
+        logit_columns, score_columns = job_columns(d, labels)
+        got = np.stack([out.column(c).to_numpy() for c in logit_columns], 1)
+        check(got, reference.logprobs, mode, f"Ray Data {logit_columns}")
+        got = np.stack([out.column(c).to_numpy() for c in score_columns], 1)
+        check(got, reference.label_probs, mode, f"Ray Data {score_columns}")
+
+    run()
