@@ -355,3 +355,21 @@ def test_ray_data_equals_the_library(doors, ray_cluster, checkpoint_dir, case, m
         check(got, reference.label_probs, mode, f"Ray Data {score_columns}")
 
     run()
+
+
+@pytest.mark.slow  # the bigger profile: more draws through the in-process doors
+@pytest.mark.parametrize("case", CASES)
+def test_more_draws_through_the_library_and_the_batcher(doors, case):
+    d = doors(case, "default")
+
+    @hypothesis.settings(QUICK, max_examples=15)
+    @hypothesis.given(
+        request=score_requests(d.classification), other=score_requests(d.classification)
+    )
+    def run(request, other):
+        reference = d.scorer.score(**request)
+        check_result(d.scorer.score_batch([other, request])[1], reference, "default", "score_batch")
+        check_result(d.split.score(**request), reference, "default", "Batcher, split")
+        check_result(d.whole.score(**request), reference, "default", "Batcher")
+
+    run()

@@ -217,7 +217,7 @@ class Service:
         # last (LABEL_1 of a binary classifier).
         classes = scorer.config.num_labels
         self.labels = None if classes else list(self.template.labels)
-        self.positive = max(classes - 1, 0)
+        self.positive = ranking.relevant_class(classes)
         try:  # a template whose labels are not single tokens here would fail every rerank
             t = self.template
             scorer.prepare(
