@@ -240,8 +240,8 @@ class Batcher:
 
         Returns:
             A future of the request's `ScoreResult`, or of the error its backend step raised, or
-            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored, unless its next step was
-            already dispatched (then that step's result is discarded).
+            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored,
+            unless its next step was already dispatched (then that result is discarded).
 
         Raises:
             ValidationError: a bad request, an unknown backend or a bad timeout_s, as
