@@ -137,3 +137,21 @@ def test_rank_takes_every_score_option(scorers, rng):
     np.testing.assert_allclose(
         [r.score for r in ranked], [r.score for r in expected], atol=1e-5, rtol=0
     )
+
+
+def test_concat_joins_parts_of_one_kind_and_reads_them_as_each_part():
+    logits = np.array([[0.3], [-1.2], [2.0]], np.float32)
+    parts = [
+        ScoreResult(logits[:1], "serial", 5, apply_softmax=False, classification=True),
+        ScoreResult(logits[1:], "packed_dense", 7, apply_softmax=False, classification=True),
+    ]
+    joined = ScoreResult.concat(parts)
+    assert joined.classification and joined.backend == "serial+packed_dense"
+    assert joined.num_tokens == 12
+    np.testing.assert_array_equal(joined.scores, logits)  # logits, not exp(logits)
+    assert [r.index for r in rank_result(joined, ["a", "b", "c"])] == [2, 0, 1]
+    assert ScoreResult.concat(parts[:1]) is parts[0]
+    with pytest.raises(ValueError, match="different kinds"):
+        ScoreResult.concat([parts[0], ScoreResult(logits[1:], "serial", 1)])
+    with pytest.raises(ValueError, match="at least one part"):
+        ScoreResult.concat([])

@@ -114,3 +114,55 @@ def test_an_internal_type_error_is_not_relabelled(scorers):
         scorers("qwen3_qknorm").score_batch(
             [{"query": [1], "items": [[2]], "label_token_ids": [3]}], backend="broken"
         )
+
+
+def test_validate_batch_gives_an_error_per_request_located_as_data(scorers):
+    scorer = scorers("qwen3_qknorm")
+    good = {"query": [1, 2], "items": [[3]], "label_token_ids": [4]}
+    requests = [
+        good,
+        {"query": [1], "items": [[2], [10**6]], "label_token_ids": [1]},
+        good,
+        {"query": [1], "items": [[2]]},
+        "not a mapping",
+        {**good, "item_first": True},
+    ]
+    errors = scorer.validate_batch(requests)
+    assert [e and e.code for e in errors] == [
+        None, "token_id_exceeds_vocab", None, "no_classification_head", "invalid_argument", None
+    ]  # fmt: skip
+    assert errors[1].loc == ("requests", 1, "items", 1) and errors[1].request_index == 1
+    assert errors[1].param == "requests[1].items[1]"
+    assert errors[1].message.startswith("items[1][0] is 1000000")  # without the location
+    assert str(errors[1]) == f"requests[1]: {errors[1].message}"
+    assert errors[4].loc == ("requests", 4)
+    # A backend that cannot run a request refuses it here, not mid-batch.
+    refused = scorer.validate_batch(requests[5:], backend="prefill_extend")
+    assert refused[0].code == "unsupported_option" and refused[0].request_index == 0
+    prepared = scorer.prepare_batch(requests, errors="return")
+    assert [type(p).__name__ for p in prepared[:2]] == ["ScoreRequest", "ValidationError"]
+    results = scorer.run([prepared[0], prepared[2]])
+    np.testing.assert_array_equal(results[0].logprobs, scorer.score(**good).logprobs)
+
+
+def test_prepare_request_takes_a_mapping_as_score_batch_does(scorers):
+    scorer = scorers("qwen3_qknorm")
+    request = {"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [4], "truncate": "left"}
+    assert scorer.prepare_request(request) == scorer.prepare(**request)
+    with pytest.raises(ValidationError) as raised:
+        scorer.prepare_request({**request, "colour": 1})
+    assert raised.value.loc == ("colour",) and raised.value.code == "invalid_argument"
+    with pytest.raises(ValidationError) as raised:
+        scorer.prepare_request(request, backend="nope")
+    assert raised.value.code == "unknown_backend"
+
+
+def test_a_located_error_keeps_its_location_through_pickling():
+    import pickle
+
+    error = ValidationError("c", "bad", "items[2]").at("requests", 3)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.code, copy.loc, copy.message, str(copy)) == (
+        "c", ("requests", 3, "items", 2), "bad", "requests[3]: bad"
+    )  # fmt: skip
+    assert error.within("requests[3]").loc == ("requests", 3, "requests", 3, "items", 2)

@@ -8,6 +8,9 @@ import scipy.special
 from helpers import random_tokens
 from hf_reference import hf_class_logits
 from tpuscore import ValidationError
+from tpuscore.api import templates
+
+TEMPLATE_PLAIN = templates.get("plain")
 
 # The backbones are test_parity_hf's; the head is one matmul shared by all, so the quick run
 # takes one logit (llama), pad pooling (qwen3) and Gemma 1, and `slow` adds three classes.
@@ -132,3 +135,87 @@ def test_orbax_round_trip_keeps_the_head(scorers, tmp_path):
         restored.score(query, items, backend="serial").logprobs,
         scorer.score(query, items, backend="serial").logprobs,
     )
+
+
+# -- one result through every door (issue 39) ----------------------------------------------------
+
+
+class Counted:
+    """The scorer, counting its `run` calls."""
+
+    def __init__(self, scorer):
+        self.scorer, self.runs = scorer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def run(self, requests, **kwargs):
+        self.runs += 1
+        return self.scorer.run(requests, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["llama_seq_cls", "qwen2_seq_cls"])
+def test_a_request_the_batcher_splits_scores_as_scored_alone(scorers, rng, case):
+    """Split over steps by a small per-step cap, a classification request keeps its class
+    logits: scores are the logits (or class probabilities), not exp(logits)."""
+    from tpuscore import Batcher
+
+    scorer = scorers(case)
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 6, vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 9, size=6)]
+    counted = Counted(scorer)
+    with Batcher(counted, max_request_step_tokens=len(query) + 8, max_wait_ms=0) as batcher:
+        for softmax in (False, True):
+            alone = scorer.score(query, items, apply_softmax=softmax)
+            before = counted.runs
+            split = batcher.score(query=query, items=items, apply_softmax=softmax)
+            assert counted.runs - before > 1  # it was split over steps
+            assert split.classification and split.apply_softmax == softmax
+            np.testing.assert_allclose(split.scores, alone.scores, atol=1e-5, rtol=1e-5)
+
+
+def test_a_split_rerank_on_a_one_logit_model_ranks_as_scorer_rank(scorers):
+    """Every rerank dialect on a one-logit reranker, over requests the Batcher splits, ranks as
+    `Scorer.rank` with the server's template does (the sigmoid of the logit)."""
+    from fastapi.testclient import TestClient
+
+    from test_server import TEMPLATE
+    from tpuscore.serving import app as server
+
+    scorer = scorers("llama_seq_cls")
+    docs = ["a fox", "the market opens", "a river", "rotary embeddings", "x"]
+    expected = scorer.rank("fox?", docs, template=TEMPLATE)
+    app = server.create_app(
+        scorer, rerank_template=TEMPLATE, batcher_options={"max_request_step_tokens": 30}
+    )
+    with TestClient(app) as client:
+        for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+            got = client.post(path, json={"query": "fox?", "documents": docs})
+            assert got.status_code == 200, (path, got.text)
+            results = got.json()["results"]
+            assert [r["index"] for r in results] == [r.index for r in expected], path
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in results],
+                [r.score for r in expected],
+                atol=1e-6,
+                rtol=1e-5,
+            )
+    assert all(0 < r.score < 1 for r in expected)
+
+
+def test_rank_with_a_template_on_a_classifier_ranks_by_the_relevant_class(scorers):
+    scorer = scorers("qwen2_seq_cls")  # three classes: the relevant one is the last
+    docs = ["a fox", "the market", "a lazy dog"]
+    ranked = scorer.rank("fox?", docs, template=TEMPLATE_PLAIN, instruction="Is it a fox?")
+    result = scorer.score(
+        TEMPLATE_PLAIN.render_query("fox?", "Is it a fox?"),
+        [TEMPLATE_PLAIN.render_item(d) for d in docs],
+        item_suffix=TEMPLATE_PLAIN.item_suffix,
+    )
+    probs = scipy.special.softmax(result.logprobs, axis=1)[:, 2]
+    assert [r.index for r in ranked] == np.argsort(-probs, kind="stable").tolist()
+    np.testing.assert_allclose([r.score for r in ranked], np.sort(probs)[::-1], rtol=1e-5)
+    with pytest.raises(ValidationError) as raised:
+        scorer.rank("fox?", docs, template=TEMPLATE_PLAIN, labels=["a", "b"])
+    assert (raised.value.code, raised.value.param) == ("invalid_argument", "labels")

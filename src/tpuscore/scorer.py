@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import tokenizers
 
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import compilation_cache, planning, selection
+from tpuscore.engine import compilation_cache, planning, progress, selection
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
@@ -124,7 +126,50 @@ class Scorer:
     ) -> list[ScoreResult]:  # fmt: skip
         """One result per request (a mapping of `score`'s arguments), in order. All are checked
         before any runs ("requests[3].items" names the culprit); they share device steps."""
-        return self.engine.run_batch(requests, backend=backend, show_progress=show_progress)
+        prepared = self.prepare_batch(requests, backend=backend)
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
+
+    def prepare_request(
+        self, request: Mapping[str, Any], *, backend: str | None = None
+    ) -> ScoreRequest:
+        """One request given as a mapping of `score`'s arguments (as `score_batch` takes each),
+        validated and tokenized for `run`; `backend` (default the scorer's) is checked to be
+        registered and able to run it. Raises ValidationError, located inside the request."""
+        query, items, options = validation.request_arguments(request)
+        prepared = self.engine.prepare(query, items, options)
+        name = self.engine.backend_name(backend)
+        if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
+            registry.check_capabilities(name, prepared.item_first)
+        return prepared
+
+    def prepare_batch(
+        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
+        errors: Literal["raise", "return"] = "raise",
+    ) -> list[ScoreRequest | ValidationError]:  # fmt: skip
+        """Every request prepared (`prepare_request`), in order. errors="raise": the first bad
+        one raises, located at ("requests", i, ...); "return": its ValidationError, so located,
+        stands in its place in the list and the others are prepared all the same."""
+        if errors not in ("raise", "return"):
+            raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
+        prepared: list[ScoreRequest | ValidationError] = []
+        for i, request in enumerate(requests):
+            try:
+                prepared.append(self.prepare_request(request, backend=backend))
+            except ValidationError as e:
+                if errors == "raise":
+                    raise e.at("requests", i) from None
+                prepared.append(e.at("requests", i))
+        return prepared
+
+    def validate_batch(
+        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
+    ) -> list[ValidationError | None]:
+        """Per request (a mapping of `score`'s arguments), its ValidationError (located at
+        ("requests", i, ...): `error.loc`, `error.request_index`) or None if `score_batch`
+        would take it; nothing runs."""
+        prepared = self.prepare_batch(requests, backend=backend, errors="return")
+        return [p if isinstance(p, ValidationError) else None for p in prepared]
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
@@ -135,12 +180,15 @@ class Scorer:
         return self.engine.plan(self.prepare(query, items, label_token_ids, **options))
 
     def rank(
-        self, query: Query, items: Items, *, positive: int = 0, top_k: int | None = None,
+        self, query: Query, items: Items, *, positive: int | None = None, top_k: int | None = None,
         template: str | Template | None = None, instruction: str | None = None,
         backend: str | None = None, show_progress: bool = False, **options: Any,
     ) -> list[RankedItem]:  # fmt: skip
         """The items sorted by the positive label's probability within the labels (at least
-        two; or a template's), best first, ties in input order. Options: `ScoreOptions`."""
+        two; or a template's), best first, ties in input order. positive: default the first
+        label, or on a classification model the relevant class (the last), as the server's
+        rerank ranks; a template there supplies the text and suffix, not labels. Options:
+        `ScoreOptions`."""
         return ranking.rank(
             self.engine, query, items, ScoreOptions.from_mapping(options), positive=positive,
             top_k=top_k, template=template, instruction=instruction, backend=backend,

@@ -1,6 +1,8 @@
-"""What `Scorer.score` returns."""
+"""What `Scorer.score` returns, and the one way to join the results of a request's parts."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -43,6 +45,30 @@ class ScoreResult:
     ) -> ScoreResult:
         """The result for no items: shape [0, num_labels], from no backend."""
         return cls(np.zeros((0, num_labels)), "none", 0, apply_softmax, classification)
+
+    @classmethod
+    def concat(cls, parts: Sequence[ScoreResult]) -> ScoreResult:
+        """One request's result from the results of its items' consecutive parts, in order (a
+        request the Batcher splits over steps, `rank`'s progress pages): the logprobs stacked,
+        the tokens summed, the backends that ran joined by "+" when they differ. Every part
+        must be of the same kind (labels, `apply_softmax`, `classification`): the joined result
+        reads its scores as each part does."""
+        if not parts:
+            raise ValueError("concat needs at least one part (ScoreResult.empty for no items)")
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        kinds = {(p.logprobs.shape[1], p.apply_softmax, p.classification) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"the parts are of different kinds (labels, softmax, head): {kinds}")
+        backends = dict.fromkeys(p.backend for p in parts if p.backend != "none")
+        return cls(
+            np.concatenate([p.logprobs for p in parts]),
+            "+".join(backends) or "none",
+            sum(p.num_tokens for p in parts),
+            first.apply_softmax,
+            first.classification,
+        )
 
     @property
     def probs(self) -> np.ndarray:

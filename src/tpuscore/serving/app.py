@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Coroutine, Mapping
@@ -218,7 +217,7 @@ class Service:
         # last (LABEL_1 of a binary classifier).
         classes = scorer.config.num_labels
         self.labels = None if classes else list(self.template.labels)
-        self.positive = max(classes - 1, 0)
+        self.positive = ranking.relevant_class(classes)
         try:  # a template whose labels are not single tokens here would fail every rerank
             t = self.template
             scorer.prepare(
@@ -411,9 +410,9 @@ class Service:
                 item_suffix=t.item_suffix,
             )
         except ValidationError as e:
-            if e.param and (m := re.fullmatch(r"items\[(\d+)\](.*)", e.param)):
-                param = f"{sides[1]}[{indexes[int(m[1])]}]{m[2]}"
-                raise ValidationError(e.code, str(e), param) from None
+            if e.loc[:1] == ("items",) and len(e.loc) > 1 and isinstance(e.loc[1], int):
+                loc = (sides[1], indexes[e.loc[1]], *e.loc[2:])
+                raise ValidationError(e.code, str(e), loc=loc) from None
             raise wire_names(e, {"query": sides[0], "items": sides[1]}) from None
 
     async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
@@ -482,10 +481,9 @@ class Service:
 
 def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationError:
     """`error` with its param's first part (a library argument) renamed by `names`."""
-    if error.param is None:
+    if not error.loc or not isinstance(head := error.loc[0], str):
         return error
-    head, sep, rest = error.param.partition("[")
-    return ValidationError(error.code, str(error), names.get(head, head) + sep + rest)
+    return ValidationError(error.code, str(error), loc=(names.get(head, head), *error.loc[1:]))
 
 
 # -- errors and counts ----------------------------------------------------------------------------

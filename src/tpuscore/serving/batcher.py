@@ -14,13 +14,16 @@ A long-lived service bounds everything it holds, and spends no work on a request
 
 - Admission before cost: a submission is refused (`Overloaded`) on queue depth and on a token
   estimate from the text's byte length, before anything is tokenized. Then the request is
-  validated and tokenized (as `scorer.prepare` does): in the caller's thread for `submit` and
+  validated and tokenized (`scorer.prepare_request`): in the caller's thread for `submit` and
   `score`, in a small bounded thread pool for `score_async`, so an event loop keeps serving
   meanwhile. A bad input raises at its caller and never reaches a batch.
 - Deadlines and cancellation: a request carries a deadline (`timeout_s`, default the batcher's
   `request_timeout_s`). At its deadline its future fails with `DeadlineExceeded`; a caller may
   cancel its future (`score_async` does when its task is cancelled, as on a client disconnect).
-  Either way the request is dropped from the queue before its next step runs, never scored.
+  The outcome depends only on the order of that and the dispatch of the request's next step
+  (the worker taking it from the queue, under the batcher's lock): before, the request leaves
+  the queue and is never scored; after, the dispatched step is finished with its batch and its
+  result discarded, and no later step of it is dispatched.
 - Fairness: the worker schedules by tokens. Each batch takes at most `max_request_step_tokens`
   of one request's query and item tokens, and a request with items left goes back to the end
   of the queue, so a 4,096-item request runs as a series of steps between which small requests
@@ -40,17 +43,16 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
-from tpuscore.backends import registry
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,20 @@ ESTIMATE_BYTES_PER_TOKEN = 4
 # Threads that tokenize `score_async` requests. Tokenizers release the GIL while they encode, so
 # two keep an event loop responsive while using the spare cores; more only queue behind the GIL.
 DEFAULT_TOKENIZE_WORKERS = 2
+
+
+class Scoring(Protocol):
+    """What the Batcher needs of a `Scorer`: prepare a request given as a mapping of `score`'s
+    arguments, and run prepared requests together. Any object with these two calls will do (the
+    scheduling tests run a fake one that compiles nothing)."""
+
+    def prepare_request(
+        self, request: Mapping[str, Any], *, backend: str | None = None
+    ) -> ScoreRequest: ...
+
+    def run(
+        self, requests: Sequence[ScoreRequest], *, backend: str | None = None
+    ) -> list[ScoreResult]: ...
 
 
 class Overloaded(RuntimeError):
@@ -146,7 +162,7 @@ class Batcher:
 
     def __init__(
         self,
-        scorer: Any,
+        scorer: Scoring,
         *,
         max_wait_ms: float = 2.0,
         max_batch_tokens: int | None = None,
@@ -224,7 +240,8 @@ class Batcher:
 
         Returns:
             A future of the request's `ScoreResult`, or of the error its backend step raised, or
-            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored.
+            of `DeadlineExceeded`. Cancel it to drop the request: it is then never scored,
+            unless its next step was already dispatched (then that result is discarded).
 
         Raises:
             ValidationError: a bad request, an unknown backend or a bad timeout_s, as
@@ -335,11 +352,7 @@ class Batcher:
         (cancelled, or past its deadline). A bad request releases its place and raises."""
         try:
             kwargs = {k: v for k, v in score_kwargs.items() if k != "backend"}
-            query, items, options = validation.request_arguments(kwargs)
-            request = self.scorer.engine.prepare(query, items, options)
-            name = self.scorer.engine.backend_name(entry.backend)
-            if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
-                registry.check_capabilities(name, request.item_first)
+            request = self.scorer.prepare_request(kwargs, backend=entry.backend)
         except BaseException as error:
             self._prepared(entry)
             if self._settle(entry):  # score_async awaits the future: it raises there too
@@ -394,7 +407,7 @@ class Batcher:
 
     def _expire(self, entry: _Pending) -> None:
         if self._settle(entry):
-            logger.info("a request passed its %g s deadline unscored: dropped", entry.timeout_s)
+            logger.info("a request passed its %g s deadline: dropped", entry.timeout_s)
             _complete(entry.future, error=DeadlineExceeded(entry.timeout_s))
 
     def _expire_due(self) -> None:
@@ -440,7 +453,7 @@ class Batcher:
                 self._cond.notify_all()
                 return
         if self._settle(entry):  # before its caller wakes, so that it may submit at once
-            _complete(entry.future, result=_joined(entry.parts, entry.request))
+            _complete(entry.future, result=ScoreResult.concat(entry.parts))
 
     def _next_batch(self) -> list[tuple[_Pending, ScoreRequest]] | None:
         """Wait for requests, then until the batch is full or its oldest has waited max_wait_ms
@@ -505,13 +518,14 @@ class Batcher:
     def _run(
         self, batch: list[tuple[_Pending, ScoreRequest]]
     ) -> list[tuple[ScoreResult | None, Exception | None]]:
-        """(result, error) per chunk: one `scorer.run` per backend named in the batch. A request
-        settled meanwhile (cancelled, past its deadline) gets (None, None) and is not run."""
+        """(result, error) per chunk: one `scorer.run` per backend named in the batch. Every
+        chunk runs: its request was live when the batch was dispatched, and one settled since
+        (cancelled, past its deadline) has its result discarded by `_advance`, so that whether
+        a request is scored never depends on how far the worker got when it was cancelled."""
         outcomes: list[tuple[ScoreResult | None, Exception | None]] = [(None, None)] * len(batch)
         by_backend: dict[str | None, list[int]] = {}
         for i, (entry, _) in enumerate(batch):
-            if not entry.settled:
-                by_backend.setdefault(entry.backend, []).append(i)
+            by_backend.setdefault(entry.backend, []).append(i)
         for backend, members in by_backend.items():
             requests = [batch[i][1] for i in members]
             try:
@@ -560,19 +574,6 @@ def estimate_tokens(query: Any, items: Any) -> int:
 
 def _tokens(request: ScoreRequest) -> int:
     return len(request.query) + sum(map(len, request.items))
-
-
-def _joined(parts: list[ScoreResult], request: ScoreRequest) -> ScoreResult:
-    """The result of a request scored over several batches, from each batch's."""
-    if len(parts) == 1:
-        return parts[0]
-    backends = dict.fromkeys(p.backend for p in parts if p.backend != "none")
-    return ScoreResult(
-        np.concatenate([p.logprobs for p in parts]),
-        "+".join(backends) or "none",
-        sum(p.num_tokens for p in parts),
-        request.apply_softmax,
-    )
 
 
 def _complete(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:

@@ -6,8 +6,10 @@ itself. The score of an item is P(positive | query + item) / sum of P(label | qu
 the labels: for a yes/no pair, P(yes) / (P(yes) + P(no)), as Qwen3-Reranker and the Cohere/Jina
 rerank servers compute it. On a classification model, `positive` indexes its classes and the
 score is that class's probability: the softmax over the classes, or the sigmoid of a single
-logit (one-logit rerankers and reward models). Equal scores keep their input order (a stable
-sort), so a ranking is reproducible.
+logit (one-logit rerankers and reward models); by default the relevant class, the last
+(`relevant_class`), as the server's rerank endpoints rank. A template on a classification model
+renders the text and supplies the item suffix; the model's classes stand in for its labels.
+Equal scores keep their input order (a stable sort), so a ranking is reproducible.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ class RankedItem:
     item: str | list[int]
 
 
+def relevant_class(num_classes: int) -> int:
+    """The class a classification model ranks by: the only one of a one-logit reranker, else
+    the last (LABEL_1 of a binary relevance classifier)."""
+    return max(num_classes - 1, 0)
+
+
+def default_positive(num_labels: int, classification: bool) -> int:
+    """`positive` when none is given: the first label (a template's positive is its first), or
+    a classification model's `relevant_class`."""
+    return relevant_class(num_labels) if classification else 0
+
+
 def _check_index(value: Any, param: str, *, minimum: int, below: int | None = None) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
         raise ValidationError("invalid_argument", f"{param} must be an int, got {value!r}", param)
@@ -54,6 +68,8 @@ def _check_index(value: Any, param: str, *, minimum: int, below: int | None = No
 def _check_rank(
     num_labels: int, positive: Any, top_k: Any, classification: bool = False
 ) -> tuple[int, int | None]:
+    if positive is None:
+        positive = default_positive(num_labels, classification)
     if num_labels < 2 and not classification:
         raise ValidationError(
             "invalid_argument",
@@ -71,7 +87,7 @@ def rank_result(
     result: ScoreResult,
     items: Sequence[str | list[int]],
     *,
-    positive: int = 0,
+    positive: int | None = None,
     top_k: int | None = None,
 ) -> list[RankedItem]:
     """Rank scored items: the positive label's probability within the labels, highest first.
@@ -80,7 +96,7 @@ def rank_result(
         result: `score`'s result for `items` (any `apply_softmax`: the score is recomputed from
             `result.label_probs`).
         items: the items as given to `score`, returned in each `RankedItem`.
-        positive: the index of the positive label in the labels.
+        positive: the index of the positive label in the labels (None: `default_positive`).
         top_k: keep the best top_k items (all when None or when there are fewer).
 
     Raises:
@@ -104,7 +120,7 @@ def rank(
     items: Any,
     options: ScoreOptions,
     *,
-    positive: Any = 0,
+    positive: Any = None,
     top_k: Any = None,
     template: str | templates.Template | None = None,
     instruction: Any = None,
@@ -124,7 +140,9 @@ def rank(
                     name,
                 )
         query_text, item_texts = _render(tmpl, query, items, instruction)
-        options = attrs.evolve(options, labels=list(tmpl.labels), item_suffix=tmpl.item_suffix)
+        # A classification model scores its own classes: the template's labels do not apply.
+        labels = None if engine.facts.num_classes else list(tmpl.labels)
+        options = attrs.evolve(options, labels=labels, item_suffix=tmpl.item_suffix)
     elif instruction is not None:
         raise ValidationError(
             "invalid_argument", "instruction is only used with a template", "instruction"
@@ -185,10 +203,4 @@ def _score(
         return ScoreResult.empty(
             len(request.label_ids), request.apply_softmax, request.classification
         )
-    return ScoreResult(
-        np.concatenate([r.logprobs for r in results]),
-        backend=results[0].backend,
-        num_tokens=sum(r.num_tokens for r in results),
-        apply_softmax=request.apply_softmax,
-        classification=request.classification,
-    )
+    return ScoreResult.concat(results)
