@@ -15,7 +15,7 @@ from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import compilation_cache, planning, selection
+from tpuscore.engine import compilation_cache, planning, progress, selection
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
@@ -26,7 +26,7 @@ from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
-from tpuscore.tasks import loglikelihood, ranking
+from tpuscore.tasks import calibrated, loglikelihood, ranking
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.ranking import RankedItem
 
@@ -54,6 +54,7 @@ class Scorer:
             model, tokenizer, backend=backend, backend_options=backend_options,
             selector=selector, profile=profile, batch_invariant=batch_invariant,
         )  # fmt: skip
+        self.score_calibration = None  # a `Calibration`: see from_pretrained
 
     @classmethod
     def from_pretrained(
@@ -71,6 +72,7 @@ class Scorer:
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
         batch_invariant: bool = False,
+        score_calibration: str | os.PathLike | None = None,
     ) -> Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
@@ -80,11 +82,14 @@ class Scorer:
             local_files_only=local_files_only, cache_dir=cache_dir,
             layout_for=lambda c: sharding.make_layout(c, mesh, devices),
         )  # fmt: skip
-        return cls(
+        scorer = cls(
             config, params, tokenizer, dtype=dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant,
         )  # fmt: skip
+        if score_calibration is not None:  # docs/calibration.md
+            scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)
+        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
@@ -116,7 +121,8 @@ class Scorer:
     ) -> list[ScoreResult]:  # fmt: skip
         """Score prepared requests together; requests sharing a query, labels and item_first
         share its work. on_progress gets the requests each backend call completes."""
-        return self.engine.run(requests, backend=backend, on_progress=on_progress)
+        results = self.engine.run(requests, backend=backend, on_progress=on_progress)
+        return calibrated.attach(self.score_calibration, requests, results)
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
@@ -124,7 +130,9 @@ class Scorer:
     ) -> list[ScoreResult]:  # fmt: skip
         """One result per request (a mapping of `score`'s arguments), in order. All are checked
         before any runs ("requests[3].items" names the culprit); they share device steps."""
-        return self.engine.run_batch(requests, backend=backend, show_progress=show_progress)
+        prepared = self.engine.prepare_batch(requests)
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,

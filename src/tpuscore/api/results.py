@@ -28,6 +28,9 @@ class ScoreResult:
         apply_softmax: which of `label_probs` and `probs` is `scores` (for a classification
             model: `probs` or the logits).
         classification: whether `logprobs` holds a classification head's logits.
+        calibrated: P(positive) per item under the scorer's score calibration, read-only
+            float32 [items]; None where none was loaded or it covers other labels
+            (docs/calibration.md).
         probs, label_probs, scores: derived below.
     """
 
@@ -36,6 +39,7 @@ class ScoreResult:
     num_tokens: int
     apply_softmax: bool = False
     classification: bool = False
+    calibrated: np.ndarray | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def empty(

@@ -232,6 +232,9 @@ class Service:
                 f"rerank template {t.name!r} does not fit this model: {e}; "
                 "choose another --rerank-template"
             ) from None
+        fitted = scorer.score_calibration
+        if fitted is not None and fitted.template is not None:  # docs/calibration.md
+            fitted.check(template=self.template.name)
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.max_items = max_body_bytes, max_items
@@ -252,8 +255,9 @@ class Service:
             scores=result.scores.tolist(),
             model=self.model_name,
             usage=protocol.Usage.of(result.num_tokens),
+            calibrated=protocol.calibrated(result),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     async def rerank_v1(self, request: Request, body: protocol.RerankRequest) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v1, Jina, vLLM)."""
@@ -263,6 +267,7 @@ class Service:
             protocol.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
+                calibrated_score=protocol.calibrated(result, r.index),
                 document=protocol.RerankDocument.of(body.originals[r.index])
                 if body.return_documents
                 else None,
@@ -285,14 +290,18 @@ class Service:
         response = protocol.RerankV2Response(
             id=str(uuid.uuid4()),
             results=[
-                protocol.RerankV2Result(index=r.index, relevance_score=float(r.score))
+                protocol.RerankV2Result(
+                    index=r.index,
+                    relevance_score=float(r.score),
+                    calibrated_score=protocol.calibrated(result, r.index),
+                )
                 for r in ranked
             ],
             meta=protocol.RerankV2Meta(
                 api_version=protocol.ApiVersion(), billed_units=tokens, tokens=tokens
             ),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     async def rerank(
         self,

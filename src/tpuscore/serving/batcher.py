@@ -572,6 +572,9 @@ def _joined(parts: list[ScoreResult], request: ScoreRequest) -> ScoreResult:
         "+".join(backends) or "none",
         sum(p.num_tokens for p in parts),
         request.apply_softmax,
+        calibrated=None
+        if parts[0].calibrated is None
+        else np.concatenate([p.calibrated for p in parts]),
     )
 
 

@@ -551,6 +551,16 @@ class ScoreResponse(BaseModel):
     model: str
     usage: Usage
     object: Literal["scoring"] = "scoring"
+    calibrated: list[float] | None = Field(
+        None, description="P(positive) per item under --score-calibration; absent without one"
+    )
+
+
+def calibrated(result: Any, index: int | None = None) -> list[float] | float | None:
+    """A result's calibrated probabilities (one item's, given its index), or None."""
+    if result.calibrated is None:
+        return None
+    return result.calibrated.tolist() if index is None else float(result.calibrated[index])
 
 
 class VllmUsage(BaseModel):
@@ -600,9 +610,13 @@ class RerankDocument(BaseModel):
         return cls(text=document) if isinstance(document, str) else cls(**document)
 
 
+CALIBRATED_SCORE = Field(None, description="the calibrated probability; absent without one")
+
+
 class RerankResult(BaseModel):
     index: int
     relevance_score: float
+    calibrated_score: float | None = CALIBRATED_SCORE
     document: RerankDocument | None = Field(None, description="absent unless return_documents")
 
 
@@ -623,6 +637,7 @@ class RerankResponse(BaseModel):
 class RerankV2Result(BaseModel):
     index: int
     relevance_score: float
+    calibrated_score: float | None = CALIBRATED_SCORE
 
 
 class BilledUnits(BaseModel):
