@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import tokenizers
 
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
@@ -27,6 +28,8 @@ from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
 from tpuscore.tasks import calibrated, loglikelihood, ranking
+from tpuscore.tasks import chunking as chunked
+from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.ranking import RankedItem
 
@@ -99,12 +102,17 @@ class Scorer:
 
     def score(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
-        backend: str | None = None, **options: Any,
-    ) -> ScoreResult:  # fmt: skip
+        backend: str | None = None, chunking: Chunking | Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> ScoreResult | ChunkedResult:  # fmt: skip
         """log P(label | query + item) after each item: a `ScoreResult`, logprobs float32 [items,
         labels]. query: text or token ids; items: the same kind; labels: label_token_ids or
         `labels=`; other options: `ScoreOptions`. backend: a registered name or "auto" (default
-        the scorer's). Bad input raises ValidationError (`code`, `param`) before anything runs."""
+        the scorer's). Bad input raises ValidationError (`code`, `param`) before anything runs.
+        chunking: score each item by its chunks, a `ChunkedResult` (docs/chunking.md)."""
+        if chunking is not None:
+            options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
+            return chunked.score(self.engine, query, items, chunking, options, backend=backend)
         request = self.prepare(query, items, label_token_ids, **options)
         return self.run([request], backend=backend)[0]
 
@@ -145,10 +153,18 @@ class Scorer:
     def rank(
         self, query: Query, items: Items, *, positive: int = 0, top_k: int | None = None,
         template: str | Template | None = None, instruction: str | None = None,
-        backend: str | None = None, show_progress: bool = False, **options: Any,
-    ) -> list[RankedItem]:  # fmt: skip
+        backend: str | None = None, show_progress: bool = False,
+        chunking: Chunking | Mapping[str, Any] | None = None, **options: Any,
+    ) -> list[RankedItem] | list[RankedDocument]:  # fmt: skip
         """The items sorted by the positive label's probability within the labels (at least
-        two; or a template's), best first, ties in input order. Options: `ScoreOptions`."""
+        two; or a template's), best first, ties in input order. Options: `ScoreOptions`.
+        chunking: rank each item by its chunks, `RankedDocument`s (docs/chunking.md)."""
+        if chunking is not None:
+            return chunked.rank(
+                self.engine, query, items, chunking, ScoreOptions.from_mapping(options),
+                positive=positive, top_k=top_k, template=template, instruction=instruction,
+                backend=backend,
+            )  # fmt: skip
         return ranking.rank(
             self.engine, query, items, ScoreOptions.from_mapping(options), positive=positive,
             top_k=top_k, template=template, instruction=instruction, backend=backend,

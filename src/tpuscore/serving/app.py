@@ -42,6 +42,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
@@ -54,11 +55,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
 from tpuscore.api import templates, tokenization, validation
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
 from tpuscore.serving import guards, protocol
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
+from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
@@ -268,6 +271,7 @@ class Service:
                 index=r.index,
                 relevance_score=float(r.score),
                 calibrated_score=protocol.calibrated(result, r.index),
+                chunk=protocol.RerankChunk.of(r),
                 document=protocol.RerankDocument.of(body.originals[r.index])
                 if body.return_documents
                 else None,
@@ -294,6 +298,7 @@ class Service:
                     index=r.index,
                     relevance_score=float(r.score),
                     calibrated_score=protocol.calibrated(result, r.index),
+                    chunk=protocol.RerankChunk.of(r),
                 )
                 for r in ranked
             ],
@@ -321,25 +326,49 @@ class Service:
         self.check_count(docs, "documents")
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
-        max_tokens = body.max_tokens_per_doc
+        max_tokens, room = body.max_tokens_per_doc, 0
         if fit and self.scorer.tokenizer is not None:
             room = await asyncio.to_thread(self.room_beside, query)
             if room >= 1:  # else the query alone is too long: sequence_too_long says so
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
+        chunks = None
+        if (chunking := protocol.chunking(body)) is not None:  # docs/chunking.md
+            chunks, chunking = await asyncio.to_thread(
+                self.chunked, query, docs, chunking, body.max_tokens_per_doc
+            )
+            max_tokens = room if room >= 1 else None  # a chunk is window tokens; fit still fits
         try:
             result = await self.scored(
                 request,
                 query=query,
-                items=[t.render_item(doc) for doc in docs],
+                items=[t.render_item(doc) for doc in (docs if chunks is None else chunks.items)],
                 labels=self.labels,
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
                 truncate="right",
             )
         except ValidationError as e:
+            e = e if chunks is None else chunked.located(e, chunks)
             raise wire_names(e, RERANK_PARAMS) from None
+        if chunks is not None:
+            scored = chunked.aggregate(chunks, result.label_probs[:, self.positive], chunking)
+            # A chunk's calibrated probability is not its document's: none is returned.
+            result = attrs.evolve(result, calibrated=None)
+            return chunked.rank_documents(scored, docs, body.top_n or None), result
         ranked = ranking.rank_result(result, docs, positive=self.positive, top_k=body.top_n or None)
         return ranked, result
+
+    def chunked(self, query: str, docs: list[str], options: dict[str, Any], max_tokens: int | None):
+        """(chunks, Chunking) of the documents; a window left out (Cohere's max_chunks_per_doc
+        alone) is max_tokens_per_doc, else what fits beside the query and the template."""
+        if "window" not in options and max_tokens is None:
+            part = self.template.render_item("")
+            max_tokens = self.room_beside(query) - len(
+                tokenization.encode_items(self.require_tokenizer("documents"), [part])[0]
+            )
+        options.setdefault("window", max_tokens)
+        plan = Chunking.of(options)
+        return chunked.split(self.require_tokenizer("documents"), docs, plan, "documents"), plan
 
     def room_beside(self, rendered_query: str) -> int:
         """A document's most tokens beside this query under the template: the model's positions
