@@ -27,10 +27,11 @@ from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
-from tpuscore.tasks import calibrated, loglikelihood, ranking
+from tpuscore.tasks import calibrated, loglikelihood, prompt_logprobs, ranking
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
+from tpuscore.tasks.prompt_logprobs import PromptLogprobs
 from tpuscore.tasks.ranking import RankedItem
 
 Query, Items = str | list[int], list[str] | list[list[int]]
@@ -176,6 +177,12 @@ class Scorer:
     ) -> list[LoglikelihoodResult]:
         """log P(continuation | context) per continuation, as lm-evaluation-harness scores it."""
         return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
+        """Per prompt (token ids), log P(token | tokens before it) for every token and the
+        most likely tokens at every position and after it; prompts sharing a prefix share its
+        computation (OpenAI's completions echo, docs/completions.md)."""
+        return prompt_logprobs.prompt_logprobs(self.engine, prompts)
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,

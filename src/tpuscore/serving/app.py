@@ -58,7 +58,7 @@ from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import guards, protocol
+from tpuscore.serving import completions, guards, protocol
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import chunking as chunked
@@ -698,7 +698,8 @@ def create_app(
     app.add_api_route(
         "/metrics", service.prometheus, methods=["GET"], response_class=PlainTextResponse
     )
-    counted = {path for path, _, _ in scoring} | {"/health", "/v1/models"}
+    completion = completions.register(app, service, JsonBodyRoute, POST_ERRORS)
+    counted = {path for path, _, _ in scoring} | {"/health", "/v1/models", completion}
 
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(ValidationError, input_refused)
