@@ -197,3 +197,20 @@ def test_the_server_returns_calibrated_scores_and_refuses_another_template(fitte
             server.create_app(base, rerank_template=TEMPLATE)
     finally:
         base.score_calibration = None
+
+
+def test_the_batcher_keeps_calibrated_across_a_split_request(fitted_file, scorers):
+    from tpuscore import Batcher
+
+    out, rows = fitted_file
+    base = scorers(CASE)
+    base.score_calibration = Calibration.load(out)
+    try:
+        query, items = rows[0]["query"], [r["item"] for r in rows[:8]]
+        # A budget below the request's tokens: it runs over several batches and is joined.
+        with Batcher(base, max_batch_tokens=24) as batcher:
+            result = batcher.score(query=query, items=items, labels=LABELS)
+        expected = base.score(query, items, labels=LABELS).calibrated
+        np.testing.assert_allclose(result.calibrated, expected, rtol=1e-5)
+    finally:
+        base.score_calibration = None

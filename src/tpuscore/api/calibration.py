@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
-import scipy.optimize
 import scipy.special
 
 from tpuscore.api.errors import ValidationError
@@ -91,6 +90,8 @@ def _log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
 
 
 def _fit_temperature(z: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    import scipy.optimize  # fitting only: not on the import path of every scorer
+
     def loss(log_t: float) -> float:
         return _log_loss(scipy.special.expit(z / np.exp(log_t)), y)
 
@@ -99,6 +100,8 @@ def _fit_temperature(z: np.ndarray, y: np.ndarray) -> dict[str, Any]:
 
 
 def _fit_platt(z: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    import scipy.optimize
+
     def loss_and_grad(ab: np.ndarray) -> tuple[float, np.ndarray]:
         p = np.clip(scipy.special.expit(ab[0] * z + ab[1]), EPS, 1 - EPS)
         residual = (p - y) / len(z)  # d(mean log-loss)/d(logit)
@@ -109,6 +112,8 @@ def _fit_platt(z: np.ndarray, y: np.ndarray) -> dict[str, Any]:
 
 
 def _fit_isotonic(z: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    import scipy.optimize
+
     order = np.argsort(z, kind="stable")
     zs, fitted = z[order], scipy.optimize.isotonic_regression(y[order]).x
     # Knots: each constant block's first and last z; np.interp joins the blocks linearly.
