@@ -35,6 +35,7 @@ ENDPOINTS = {
     ("/v1/rerank", "post"),
     ("/rerank", "post"),
     ("/v2/rerank", "post"),
+    ("/v1/completions", "post"),
     ("/health", "get"),
     ("/v1/models", "get"),
     ("/metrics", "get"),

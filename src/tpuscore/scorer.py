@@ -13,6 +13,7 @@ import tokenizers
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
@@ -28,8 +29,11 @@ from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
-from tpuscore.tasks import loglikelihood, ranking
+from tpuscore.tasks import calibrated, loglikelihood, prompt_logprobs, ranking
+from tpuscore.tasks import chunking as chunked
+from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
+from tpuscore.tasks.prompt_logprobs import PromptLogprobs
 from tpuscore.tasks.ranking import RankedItem
 
 Query, Items = str | list[int], list[str] | list[list[int]]
@@ -56,6 +60,7 @@ class Scorer:
             model, tokenizer, backend=backend, backend_options=backend_options,
             selector=selector, profile=profile, batch_invariant=batch_invariant,
         )  # fmt: skip
+        self.score_calibration = None  # a `Calibration`: see from_pretrained
 
     @classmethod
     def from_pretrained(
@@ -73,6 +78,7 @@ class Scorer:
         mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None,
         batch_invariant: bool = False,
+        score_calibration: str | os.PathLike | None = None,
     ) -> Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
@@ -82,11 +88,14 @@ class Scorer:
             local_files_only=local_files_only, cache_dir=cache_dir,
             layout_for=lambda c: sharding.make_layout(c, mesh, devices),
         )  # fmt: skip
-        return cls(
+        scorer = cls(
             config, params, tokenizer, dtype=dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant,
         )  # fmt: skip
+        if score_calibration is not None:  # docs/calibration.md
+            scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)
+        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
@@ -96,12 +105,17 @@ class Scorer:
 
     def score(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
-        backend: str | None = None, **options: Any,
-    ) -> ScoreResult:  # fmt: skip
+        backend: str | None = None, chunking: Chunking | Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> ScoreResult | ChunkedResult:  # fmt: skip
         """log P(label | query + item) after each item: a `ScoreResult`, logprobs float32 [items,
         labels]. query: text or token ids; items: the same kind; labels: label_token_ids or
         `labels=`; other options: `ScoreOptions`. backend: a registered name or "auto" (default
-        the scorer's). Bad input raises ValidationError (`code`, `param`) before anything runs."""
+        the scorer's). Bad input raises ValidationError (`code`, `param`) before anything runs.
+        chunking: score each item by its chunks, a `ChunkedResult` (docs/chunking.md)."""
+        if chunking is not None:
+            options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
+            return chunked.score(self.engine, query, items, chunking, options, backend=backend)
         request = self.prepare(query, items, label_token_ids, **options)
         return self.run([request], backend=backend)[0]
 
@@ -118,7 +132,8 @@ class Scorer:
     ) -> list[ScoreResult]:  # fmt: skip
         """Score prepared requests together; requests sharing a query, labels and item_first
         share its work. on_progress gets the requests each backend call completes."""
-        return self.engine.run(requests, backend=backend, on_progress=on_progress)
+        results = self.engine.run(requests, backend=backend, on_progress=on_progress)
+        return calibrated.attach(self.score_calibration, requests, results)
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
@@ -182,13 +197,21 @@ class Scorer:
     def rank(
         self, query: Query, items: Items, *, positive: int | None = None, top_k: int | None = None,
         template: str | Template | None = None, instruction: str | None = None,
-        backend: str | None = None, show_progress: bool = False, **options: Any,
-    ) -> list[RankedItem]:  # fmt: skip
+        backend: str | None = None, show_progress: bool = False,
+        chunking: Chunking | Mapping[str, Any] | None = None, **options: Any,
+    ) -> list[RankedItem] | list[RankedDocument]:  # fmt: skip
         """The items sorted by the positive label's probability within the labels (at least
         two; or a template's), best first, ties in input order. positive: default the first
         label, or on a classification model the relevant class (the last), as the server's
         rerank ranks; a template there supplies the text and suffix, not labels. Options:
-        `ScoreOptions`."""
+        `ScoreOptions`.
+        chunking: rank each item by its chunks, `RankedDocument`s (docs/chunking.md)."""
+        if chunking is not None:
+            return chunked.rank(
+                self.engine, query, items, chunking, ScoreOptions.from_mapping(options),
+                positive=positive, top_k=top_k, template=template, instruction=instruction,
+                backend=backend,
+            )  # fmt: skip
         return ranking.rank(
             self.engine, query, items, ScoreOptions.from_mapping(options), positive=positive,
             top_k=top_k, template=template, instruction=instruction, backend=backend,
@@ -200,6 +223,12 @@ class Scorer:
     ) -> list[LoglikelihoodResult]:
         """log P(continuation | context) per continuation, as lm-evaluation-harness scores it."""
         return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
+        """Per prompt (token ids), log P(token | tokens before it) for every token and the
+        most likely tokens at every position and after it; prompts sharing a prefix share its
+        computation (OpenAI's completions echo, docs/completions.md)."""
+        return prompt_logprobs.prompt_logprobs(self.engine, prompts)
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,

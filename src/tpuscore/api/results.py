@@ -30,6 +30,9 @@ class ScoreResult:
         apply_softmax: which of `label_probs` and `probs` is `scores` (for a classification
             model: `probs` or the logits).
         classification: whether `logprobs` holds a classification head's logits.
+        calibrated: P(positive) per item under the scorer's score calibration, read-only
+            float32 [items]; None where none was loaded or it covers other labels
+            (docs/calibration.md).
         probs, label_probs, scores: derived below.
     """
 
@@ -38,6 +41,7 @@ class ScoreResult:
     num_tokens: int
     apply_softmax: bool = False
     classification: bool = False
+    calibrated: np.ndarray | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def empty(
@@ -68,6 +72,9 @@ class ScoreResult:
             sum(p.num_tokens for p in parts),
             first.apply_softmax,
             first.classification,
+            calibrated=None
+            if any(p.calibrated is None for p in parts)
+            else np.concatenate([p.calibrated for p in parts]),
         )
 
     @property

@@ -10,6 +10,7 @@ cache.
     tpuscore bench
     tpuscore calibrate --out my-device.json
     tpuscore cache size
+    tpuscore fit-calibration labelled.jsonl --out scores.json
 
 Input is read from a file, or from stdin when the file is "-" or left out. It is JSON, one
 request object or a list of them, or JSON Lines, one request object per line. A request object
@@ -159,6 +160,11 @@ def _parser() -> argparse.ArgumentParser:
         default="plain",
         help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
     )
+    add(
+        "--score-calibration",
+        metavar="PATH",
+        help="a tpuscore fit-calibration file: results also carry calibrated probabilities",
+    )
     add("--max-body-bytes", type=int, default=16 << 20, help="largest request body (16 MiB)")
     add("--max-items", type=int, default=4096, help="most items or documents per request")
     add(
@@ -242,6 +248,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to bench.py")
 
     cache.add_parser(sub, _run_cache)
+    from tpuscore.cli import fit_calibration
+
+    help = "fit a score calibration on labelled pairs (docs/calibration.md)"
+    fit_calibration.add_arguments(command("fit-calibration", fit_calibration.run, help))
 
     help = "fit a device profile for auto on this machine (tpuscore calibrate --help)"
     p = sub.add_parser("calibrate", add_help=False, help=help, description=help)
@@ -334,9 +344,13 @@ def load_scorer(args: argparse.Namespace):
             profile=args.profile,
             compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
             batch_invariant=args.batch_invariant,
+            score_calibration=getattr(args, "score_calibration", None),
         )
     except ValidationError as e:
-        raise InputError(f"--backend {args.backend}: {e}") from None
+        flag = f"--backend {args.backend}"
+        if e.param == "score_calibration":  # a calibration file refused for this model
+            flag = "--score-calibration"
+        raise InputError(f"{flag}: {e}") from None
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
@@ -392,6 +406,7 @@ def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
             "logprobs": r.logprobs.tolist(),
             "backend": r.backend,
             "num_tokens": r.num_tokens,
+            **({} if r.calibrated is None else {"calibrated": r.calibrated.tolist()}),
         }
         for r in results
     ]

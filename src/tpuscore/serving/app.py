@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
@@ -53,11 +54,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tpuscore
 from tpuscore.api import templates, tokenization, validation
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import guards, protocol
+from tpuscore.serving import completions, guards, protocol
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
+from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
@@ -231,6 +234,9 @@ class Service:
                 f"rerank template {t.name!r} does not fit this model: {e}; "
                 "choose another --rerank-template"
             ) from None
+        fitted = scorer.score_calibration
+        if fitted is not None and fitted.template is not None:  # docs/calibration.md
+            fitted.check(template=self.template.name)
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.max_items = max_body_bytes, max_items
@@ -251,8 +257,9 @@ class Service:
             scores=result.scores.tolist(),
             model=self.model_name,
             usage=protocol.Usage.of(result.num_tokens),
+            calibrated=protocol.calibrated(result),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     async def rerank_v1(self, request: Request, body: protocol.RerankRequest) -> Response:
         """Documents sorted by relevance to the query, highest first (Cohere v1, Jina, vLLM)."""
@@ -262,6 +269,8 @@ class Service:
             protocol.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
+                calibrated_score=protocol.calibrated(result, r.index),
+                chunk=protocol.RerankChunk.of(r),
                 document=protocol.RerankDocument.of(body.originals[r.index])
                 if body.return_documents
                 else None,
@@ -284,14 +293,19 @@ class Service:
         response = protocol.RerankV2Response(
             id=str(uuid.uuid4()),
             results=[
-                protocol.RerankV2Result(index=r.index, relevance_score=float(r.score))
+                protocol.RerankV2Result(
+                    index=r.index,
+                    relevance_score=float(r.score),
+                    calibrated_score=protocol.calibrated(result, r.index),
+                    chunk=protocol.RerankChunk.of(r),
+                )
                 for r in ranked
             ],
             meta=protocol.RerankV2Meta(
                 api_version=protocol.ApiVersion(), billed_units=tokens, tokens=tokens
             ),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=True))
 
     async def rerank(
         self,
@@ -311,25 +325,49 @@ class Service:
         self.check_count(docs, "documents")
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
-        max_tokens = body.max_tokens_per_doc
+        max_tokens, room = body.max_tokens_per_doc, 0
         if fit and self.scorer.tokenizer is not None:
             room = await asyncio.to_thread(self.room_beside, query)
             if room >= 1:  # else the query alone is too long: sequence_too_long says so
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
+        chunks = None
+        if (chunking := protocol.chunking(body)) is not None:  # docs/chunking.md
+            chunks, chunking = await asyncio.to_thread(
+                self.chunked, query, docs, chunking, body.max_tokens_per_doc
+            )
+            max_tokens = room if room >= 1 else None  # a chunk is window tokens; fit still fits
         try:
             result = await self.scored(
                 request,
                 query=query,
-                items=[t.render_item(doc) for doc in docs],
+                items=[t.render_item(doc) for doc in (docs if chunks is None else chunks.items)],
                 labels=self.labels,
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
                 truncate="right",
             )
         except ValidationError as e:
+            e = e if chunks is None else chunked.located(e, chunks)
             raise wire_names(e, RERANK_PARAMS) from None
+        if chunks is not None:
+            scored = chunked.aggregate(chunks, result.label_probs[:, self.positive], chunking)
+            # A chunk's calibrated probability is not its document's: none is returned.
+            result = attrs.evolve(result, calibrated=None)
+            return chunked.rank_documents(scored, docs, body.top_n or None), result
         ranked = ranking.rank_result(result, docs, positive=self.positive, top_k=body.top_n or None)
         return ranked, result
+
+    def chunked(self, query: str, docs: list[str], options: dict[str, Any], max_tokens: int | None):
+        """(chunks, Chunking) of the documents; a window left out (Cohere's max_chunks_per_doc
+        alone) is max_tokens_per_doc, else what fits beside the query and the template."""
+        if "window" not in options and max_tokens is None:
+            part = self.template.render_item("")
+            max_tokens = self.room_beside(query) - len(
+                tokenization.encode_items(self.require_tokenizer("documents"), [part])[0]
+            )
+        options.setdefault("window", max_tokens)
+        plan = Chunking.of(options)
+        return chunked.split(self.require_tokenizer("documents"), docs, plan, "documents"), plan
 
     def room_beside(self, rendered_query: str) -> int:
         """A document's most tokens beside this query under the template: the model's positions
@@ -658,7 +696,8 @@ def create_app(
     app.add_api_route(
         "/metrics", service.prometheus, methods=["GET"], response_class=PlainTextResponse
     )
-    counted = {path for path, _, _ in scoring} | {"/health", "/v1/models"}
+    completion = completions.register(app, service, JsonBodyRoute, POST_ERRORS)
+    counted = {path for path, _, _ in scoring} | {"/health", "/v1/models", completion}
 
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(ValidationError, input_refused)

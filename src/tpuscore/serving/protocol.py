@@ -32,6 +32,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from tpuscore.api.requests import ScoreOptions
+from tpuscore.tasks.chunking import RankedDocument
 
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
 COHERE_MAX_TOKENS_PER_DOC = 4096
@@ -230,6 +231,33 @@ def score_options(request: BaseModel) -> dict[str, Any]:
     }
 
 
+class ChunkingRequest(WireRequest):
+    """`tpuscore.api.chunking.Chunking` on the wire; its checks give `invalid_chunking`."""
+
+    window: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="tokens per chunk; null: max_tokens_per_doc, else what fits"
+    )
+    stride: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="tokens between chunk starts, at most window; null: window"
+    )
+    max_chunks: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="score at most this many chunks per document, its first"
+    )
+    aggregate: Literal["max", "mean", "first"] = Field("max", description="of the chunks' scores")
+
+
+def chunking(body: BaseModel) -> dict[str, Any] | None:
+    """A rerank's chunking as `Chunking`'s fields, window left out where not given: its
+    `chunking`, with Cohere's `max_chunks_per_doc` (the best chunk's score), or None."""
+    given, max_chunks = body.chunking, getattr(body, "max_chunks_per_doc", None)
+    if given is None and max_chunks is None:
+        return None
+    options = {} if given is None else given.model_dump(exclude_none=True)
+    if max_chunks is not None:
+        options["max_chunks"] = max_chunks
+    return options
+
+
 class _RerankFields(WireRequest):
     model_config = ConfigDict(
         json_schema_extra={
@@ -254,6 +282,9 @@ class _RerankFields(WireRequest):
     )
     instruction: str | None = Field(
         None, description="the task description in the prompt; null: the template's"
+    )
+    chunking: ChunkingRequest | None = Field(
+        None, description="tpuscore's: score each document by its chunks (docs/chunking.md)"
     )
 
 
@@ -320,7 +351,11 @@ class RerankRequest(_RerankFields):
         description="the object documents' fields to rank on, in order, as `name: value` lines; "
         "null: the `text` field",
     )
-    max_chunks_per_doc: DefaultOnly = default_only(None, "Cohere's; accepted only as null")
+    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="Cohere's: score each document by its first max_chunks_per_doc chunks of "
+        "max_tokens_per_doc tokens (null: what fits), the best chunk's score (docs/chunking.md)",
+    )
     truncate_prompt_tokens: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
     priority: DefaultOnly = default_only(0, "vLLM's; accepted only as 0")
     use_activation: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
@@ -551,6 +586,16 @@ class ScoreResponse(BaseModel):
     model: str
     usage: Usage
     object: Literal["scoring"] = "scoring"
+    calibrated: list[float] | None = Field(
+        None, description="P(positive) per item under --score-calibration; absent without one"
+    )
+
+
+def calibrated(result: Any, index: int | None = None) -> list[float] | float | None:
+    """A result's calibrated probabilities (one item's, given its index), or None."""
+    if result.calibrated is None:
+        return None
+    return result.calibrated.tolist() if index is None else float(result.calibrated[index])
 
 
 class VllmUsage(BaseModel):
@@ -600,9 +645,32 @@ class RerankDocument(BaseModel):
         return cls(text=document) if isinstance(document, str) else cls(**document)
 
 
+CALIBRATED_SCORE = Field(None, description="the calibrated probability; absent without one")
+
+
+class RerankChunk(BaseModel):
+    """A chunked document's best chunk: its index and [start, end) tokens in the document."""
+
+    index: int
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, ranked: Any) -> RerankChunk | None:
+        if not isinstance(ranked, RankedDocument):
+            return None
+        start, end = ranked.best_span
+        return cls(index=ranked.best_chunk, start=start, end=end)
+
+
+CHUNK = Field(None, description="the best-scoring chunk; absent unless chunked")
+
+
 class RerankResult(BaseModel):
     index: int
     relevance_score: float
+    calibrated_score: float | None = CALIBRATED_SCORE
+    chunk: RerankChunk | None = CHUNK
     document: RerankDocument | None = Field(None, description="absent unless return_documents")
 
 
@@ -623,6 +691,8 @@ class RerankResponse(BaseModel):
 class RerankV2Result(BaseModel):
     index: int
     relevance_score: float
+    calibrated_score: float | None = CALIBRATED_SCORE
+    chunk: RerankChunk | None = CHUNK
 
 
 class BilledUnits(BaseModel):

@@ -1,0 +1,223 @@
+"""Chunked documents over the engine: every chunk of every document is an item of ONE request
+against the shared query, so the query runs once for all of them; each document's score is its
+chunks' aggregate (`tpuscore.api.chunking`, docs/chunking.md).
+
+A text document is tokenized on its own (as an item is) and cut on token boundaries; a chunk is
+the text between them: from the end of the token before its first to the end of its last, so a
+space that opens a word stays with the word. Re-encoded on its own a chunk gives the document's
+tokens there wherever the tokenizer's pre-tokenizer splits at that boundary, as byte-level BPE
+does at word starts; a boundary inside a character of several tokens leaves the whole character
+to the chunk before. A token-id document is cut as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import tokenizers
+
+from tpuscore.api import templates
+from tpuscore.api.chunking import Chunking
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import ScoreOptions
+from tpuscore.api.results import ScoreResult
+from tpuscore.engine.runner import Engine
+from tpuscore.tasks import ranking
+
+
+@attrs.frozen
+class Chunks:
+    """Documents cut into chunks: items (text or token ids) in document order, each chunk's
+    document, and its [start, end) token span within the document."""
+
+    items: list[str] | list[list[int]]
+    document: np.ndarray  # int [chunks]
+    spans: list[tuple[int, int]]
+    num_documents: int
+
+
+def split(
+    tokenizer: tokenizers.Tokenizer | None, documents: Any, chunking: Chunking, param: str = "items"
+) -> Chunks:
+    """Cut every document (all text or all token ids) by `chunking`."""
+    if isinstance(documents, str) or not isinstance(documents, Sequence):
+        raise ValidationError("invalid_items", f"{param} must be a list, got {documents!r}", param)
+    items: list[Any] = []
+    owners: list[int] = []
+    spans: list[tuple[int, int]] = []
+    texts = [d for d in documents if isinstance(d, str)]
+    if texts and tokenizer is None:
+        raise ValidationError("invalid_items", "this model has no tokenizer: give token ids", param)
+    encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else [])
+    for d, document in enumerate(documents):
+        if isinstance(document, str):
+            offsets = next(encodings).offsets
+            ends = [0] + [end for _, end in offsets[:-1]] + [len(document)]
+
+            def piece(start: int, end: int, doc=document, ends=ends) -> str:
+                return doc[ends[start] : ends[end]]
+
+            n = len(offsets)
+        elif isinstance(document, Sequence):
+            n = len(document)
+
+            def piece(start: int, end: int, doc=document) -> list[int]:
+                return list(doc[start:end])
+        else:
+            raise ValidationError(
+                "invalid_items", f"{param}[{d}] must be text or token ids", f"{param}[{d}]"
+            )
+        for span in chunking.spans(n):
+            items.append(piece(*span))
+            owners.append(d)
+            spans.append(span)
+    return Chunks(items, np.asarray(owners, np.int64), spans, len(documents))
+
+
+def located(error: ValidationError, chunks: Chunks) -> ValidationError:
+    """An error about chunk k of the request (param "items[k]...") as one about its document."""
+    match = re.fullmatch(r"items\[(\d+)\](.*)", error.param or "")
+    if match is None:
+        return error
+    k = int(match[1])
+    d = int(chunks.document[k])
+    first = int(np.searchsorted(chunks.document, d))
+    message = f"{error} (chunk {k - first}, tokens {list(chunks.spans[k])} of items[{d}])"
+    return ValidationError(error.code, message, f"items[{d}]{match[2]}")
+
+
+@attrs.frozen
+class ChunkedResult:
+    """A chunked score: per document its score, its best chunk and its chunks'.
+
+    Attributes:
+        scores: the documents' aggregated scores, float64 [documents].
+        best_chunk: each document's best-scoring chunk, an index among its own chunks.
+        best_span: that chunk's [start, end) tokens in the document.
+        chunk_scores: each document's chunks' scores, float64 [its chunks].
+        chunks: the `ScoreResult` of every chunk, documents' chunks in order [chunks, labels]
+            (None from `rank`, which keeps only the scores).
+        document: the document of each chunk, int [chunks]; spans: each chunk's token span.
+    """
+
+    scores: np.ndarray
+    best_chunk: np.ndarray
+    best_span: list[tuple[int, int]]
+    chunk_scores: list[np.ndarray]
+    chunks: ScoreResult | None
+    document: np.ndarray
+    spans: list[tuple[int, int]]
+
+
+def aggregate(
+    chunks: Chunks, relevance: np.ndarray, chunking: Chunking, result: ScoreResult | None = None
+) -> ChunkedResult:
+    """The `ChunkedResult` of the chunks' scores [chunks] (and their `ScoreResult`)."""
+    per_doc = [relevance[chunks.document == d] for d in range(chunks.num_documents)]
+    reduced = [chunking.reduce(s) for s in per_doc]
+    first = np.searchsorted(chunks.document, np.arange(chunks.num_documents))
+    best = np.array([b for _, b in reduced], np.int64)
+    return ChunkedResult(
+        scores=np.array([s for s, _ in reduced], np.float64),
+        best_chunk=best,
+        best_span=[chunks.spans[f + b] for f, b in zip(first, best, strict=True)],
+        chunk_scores=per_doc,
+        chunks=result,
+        document=chunks.document,
+        spans=chunks.spans,
+    )
+
+
+def _positive(result: ScoreResult, positive: Any) -> int:
+    num_labels = result.logprobs.shape[1]
+    if positive is None:
+        return ranking.default_positive(num_labels, result.classification)
+    return ranking._check_index(positive, "positive", minimum=0, below=num_labels)
+
+
+def score(
+    engine: Engine,
+    query: Any,
+    items: Any,
+    chunking: Any,
+    options: ScoreOptions,
+    *,
+    positive: Any = None,
+    backend: str | None = None,
+) -> ChunkedResult:
+    """`Scorer.score(..., chunking=)`: every chunk an item of one request."""
+    chunking = Chunking.of(chunking)
+    chunks = split(engine.tokenizer, items, chunking)
+    try:
+        request = engine.prepare(query, chunks.items, options)
+    except ValidationError as e:
+        raise located(e, chunks) from None
+    result = engine.run([request], backend=backend)[0]
+    # A chunk's score is rank's: the positive label's probability within the labels (a
+    # classification model's class probability).
+    relevance = result.label_probs[:, _positive(result, positive)].astype(np.float64)
+    return aggregate(chunks, relevance, chunking, result)
+
+
+@attrs.frozen
+class RankedDocument:
+    """One ranked document: `RankedItem`'s fields, its best chunk and that chunk's span."""
+
+    index: int
+    score: float
+    item: str | list[int]
+    best_chunk: int
+    best_span: tuple[int, int]
+
+
+def rank_documents(
+    chunked: ChunkedResult, items: Sequence[Any], top_k: int | None = None
+) -> list[RankedDocument]:
+    """Documents by aggregated score, best first, ties in input order."""
+    order = np.argsort(-chunked.scores, kind="stable")[:top_k]
+    return [
+        RankedDocument(
+            int(i),
+            float(chunked.scores[i]),
+            items[i],
+            int(chunked.best_chunk[i]),
+            chunked.best_span[i],
+        )
+        for i in order
+    ]
+
+
+def rank(
+    engine: Engine,
+    query: Any,
+    items: Any,
+    chunking: Any,
+    options: ScoreOptions,
+    *,
+    positive: Any = None,
+    top_k: Any = None,
+    template: str | templates.Template | None = None,
+    instruction: Any = None,
+    backend: str | None = None,
+) -> list[RankedDocument]:
+    """`Scorer.rank(..., chunking=)`: the chunks ranked as `Scorer.rank` ranks items (the
+    template renders each chunk as a document), in one request; then the documents."""
+    chunking = Chunking.of(chunking)
+    if top_k is not None:
+        top_k = ranking._check_index(top_k, "top_k", minimum=1)
+    chunks = split(engine.tokenizer, items, chunking)
+    try:
+        ranked = ranking.rank(
+            engine, query, chunks.items, options, positive=positive, template=template,
+            instruction=instruction, backend=backend,
+        )  # fmt: skip
+    except ValidationError as e:
+        raise located(e, chunks) from None
+    relevance = np.empty(len(chunks.items))
+    for r in ranked:
+        relevance[r.index] = r.score
+    return rank_documents(aggregate(chunks, relevance, chunking), list(items), top_k)

@@ -1,0 +1,198 @@
+"""Chunked documents (docs/chunking.md): spans, exactness (each chunk's score equals scoring that
+chunk alone, each document's score the aggregate of those), one request for every chunk of every
+document, and the rerank endpoints' chunking and Cohere's max_chunks_per_doc."""
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import ServerThread
+from tpuscore.api import templates
+from tpuscore.api.chunking import Chunking
+from tpuscore.api.errors import ValidationError
+from tpuscore.tasks import chunking as chunked
+
+CASE = "qwen2_bias"
+LABELS = ["y", "n"]  # single bytes in the tests' tokenizer
+TEMPLATE = templates.Template(
+    name="test", query="{instruction}\nQuery: {query}\n", item="Document: {item}",
+    item_suffix="\nRelevant:", labels=("y", "n"), default_instruction="Judge relevance.",
+)  # fmt: skip
+WORDS = ["the", "fox", "river", "mill", "park", "rope", "key", "moon", "salt", "ran", "past"]
+
+
+def documents(rng, count, low, high):
+    return [" ".join(rng.choice(WORDS, int(rng.integers(low, high)))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def scorer(scorers):
+    return scorers(CASE)
+
+
+# -- spans and aggregation: no model ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "options", "spans"),
+    [
+        (10, {"window": 4}, [(0, 4), (4, 8), (8, 10)]),
+        (10, {"window": 4, "stride": 3}, [(0, 4), (3, 7), (6, 10)]),  # no chunk inside (6, 10)
+        (8, {"window": 4, "stride": 2}, [(0, 4), (2, 6), (4, 8)]),
+        (3, {"window": 4}, [(0, 3)]),
+        (0, {"window": 4}, [(0, 0)]),
+        (100, {"window": 10, "max_chunks": 2}, [(0, 10), (10, 20)]),
+    ],
+)
+def test_spans(n, options, spans):
+    assert Chunking.of(options).spans(n) == spans
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({}, "chunking.window"),
+        ({"window": 0}, "chunking.window"),
+        ({"window": 4, "stride": 5}, "chunking.stride"),
+        ({"window": 4, "max_chunks": 0}, "chunking.max_chunks"),
+        ({"window": 4, "aggregate": "median"}, "chunking.aggregate"),
+        ({"window": 4, "overlap": 1}, "chunking.overlap"),
+        ({"window": True}, "chunking.window"),
+    ],
+)
+def test_bad_chunking_is_refused(options, param):
+    with pytest.raises(ValidationError) as e:
+        Chunking.of(options)
+    assert (e.value.code, e.value.param) == ("invalid_chunking", param)
+
+
+@pytest.mark.parametrize(("aggregate", "expected"), [("max", 0.9), ("mean", 0.5), ("first", 0.2)])
+def test_reduce(aggregate, expected):
+    score, best = Chunking(window=1, aggregate=aggregate).reduce(np.array([0.2, 0.9, 0.4]))
+    assert score == pytest.approx(expected) and best == 1
+
+
+def test_text_chunks_re_encode_to_the_documents_tokens(scorer, rng):
+    doc = documents(rng, 1, 30, 40)[0]
+    ids = scorer.tokenizer.encode(doc, add_special_tokens=False).ids
+    chunks = chunked.split(scorer.tokenizer, [doc], Chunking(window=9, stride=6))
+    assert chunks.spans == Chunking(window=9, stride=6).spans(len(ids))
+    for text, (start, end) in zip(chunks.items, chunks.spans, strict=True):
+        assert scorer.tokenizer.encode(text, add_special_tokens=False).ids == ids[start:end]
+    # Without overlap the chunks are the document, cut.
+    assert "".join(chunked.split(scorer.tokenizer, [doc], Chunking(window=7)).items) == doc
+
+
+# -- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aggregate", ["max", "mean", "first"])
+def test_each_chunk_scores_as_alone_and_documents_aggregate_them(scorer, rng, aggregate):
+    docs = documents(rng, 3, 5, 40)
+    options = {"window": 11, "stride": 7, "max_chunks": 4, "aggregate": aggregate}
+    query = "which passage is about a fox?"
+    result = scorer.score(query, docs, labels=LABELS, chunking=options)
+    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options))
+    assert len(result.chunks.logprobs) == len(chunks.items) > len(docs)
+    for d in range(len(docs)):
+        mine = [c for c, owner in zip(chunks.items, chunks.document, strict=True) if owner == d]
+        alone = np.array([scorer.score(query, [c], labels=LABELS).label_probs[0, 0] for c in mine])
+        np.testing.assert_allclose(result.chunk_scores[d], alone, rtol=1e-5, atol=1e-6)
+        expected = {"max": alone.max(), "mean": alone.mean(), "first": alone[0]}[aggregate]
+        assert result.scores[d] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert result.best_chunk[d] == int(np.argmax(result.chunk_scores[d]))
+
+
+def test_every_chunk_is_an_item_of_one_request(scorer, rng, monkeypatch):
+    docs = documents(rng, 4, 20, 40)
+    calls = []
+    run = scorer.engine.run
+    monkeypatch.setattr(
+        scorer.engine, "run", lambda requests, **kw: calls.append(requests) or run(requests, **kw)
+    )
+    result = scorer.score("a query", docs, labels=LABELS, chunking={"window": 8})
+    assert len(calls) == 1 and len(calls[0]) == 1  # one run, one request: the query once
+    assert len(calls[0][0].items) == len(result.document) > 2 * len(docs)
+
+
+def test_an_error_in_a_chunk_names_its_document(scorer, rng):
+    vocab = scorer.config.vocab_size
+    docs = [[1, 2, 3], [4, 5, 6, 7, 8, vocab + 5]]  # the bad id is in chunk 1 of items[1]
+    with pytest.raises(ValidationError) as e:
+        scorer.score([9, 9], docs, label_token_ids=[3, 4], chunking={"window": 4})
+    assert e.value.param == "items[1]" and "chunk 1, tokens [4, 6] of items[1]" in str(e.value)
+
+
+def test_token_id_documents_are_cut_as_given(scorer, rng):
+    vocab = scorer.config.vocab_size
+    docs = [rng.integers(0, vocab, int(n)).tolist() for n in (5, 23)]
+    query = rng.integers(0, vocab, 6).tolist()
+    result = scorer.score(query, docs, label_token_ids=[3, 4], chunking={"window": 10})
+    assert [tuple(s) for s in result.spans] == [(0, 5), (0, 10), (10, 20), (20, 23)]
+    alone = scorer.score(query, [docs[1][10:20]], label_token_ids=[3, 4])
+    np.testing.assert_allclose(result.chunks.logprobs[2], alone.logprobs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_rank_with_a_template_ranks_documents_by_their_chunks(scorer, rng):
+    docs = documents(rng, 4, 10, 40)
+    query = "a fox by the river"
+    options = {"window": 12, "aggregate": "max"}
+    ranked = scorer.rank(query, docs, template=TEMPLATE, chunking=options, top_k=3)
+    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options))
+    alone = scorer.rank(query, chunks.items, template=TEMPLATE)
+    by_chunk = {r.index: r.score for r in alone}
+    best = [
+        max(by_chunk[i] for i in np.flatnonzero(chunks.document == d)) for d in range(len(docs))
+    ]
+    assert [r.index for r in ranked] == list(np.argsort(-np.array(best), kind="stable")[:3])
+    for r in ranked:
+        assert r.score == pytest.approx(best[r.index], rel=1e-5)
+        assert r.item == docs[r.index]
+        first = int(np.flatnonzero(chunks.document == r.index)[0])
+        assert by_chunk[first + r.best_chunk] == pytest.approx(r.score, rel=1e-5)
+
+
+# -- the rerank endpoints -----------------------------------------------------------------------
+
+
+def test_rerank_endpoints_chunk_and_honour_max_chunks_per_doc(scorer, rng):
+    from tpuscore.serving import app as server
+
+    docs = documents(rng, 3, 15, 40)
+    query = "about a fox"
+    running = ServerThread(server.create_app(scorer, rerank_template=TEMPLATE))
+    try:
+        with httpx.Client(base_url=running.url, timeout=120) as client:
+            chunking = {"window": 10, "stride": 8, "aggregate": "mean"}
+            v1 = client.post("/v1/rerank", json={"query": query, "documents": docs,
+                                                 "chunking": chunking})  # fmt: skip
+            cohere = client.post("/v1/rerank", json={"query": query, "documents": docs,
+                                 "max_tokens_per_doc": 6, "max_chunks_per_doc": 2})  # fmt: skip
+            v2 = client.post("/v2/rerank", json={"query": query, "documents": docs,
+                                                 "chunking": chunking})  # fmt: skip
+            bad = client.post("/v1/rerank", json={"query": query, "documents": docs,
+                              "chunking": {"window": 4, "stride": 9}})  # fmt: skip
+    finally:
+        running.stop()
+    expected = scorer.rank(query, docs, template=TEMPLATE, chunking=chunking)
+    for response in (v1, v2):
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        assert [r["index"] for r in results] == [r.index for r in expected]
+        for got, want in zip(results, expected, strict=True):
+            assert got["relevance_score"] == pytest.approx(want.score, rel=1e-5)
+            assert got["chunk"] == {
+                "index": want.best_chunk, "start": want.best_span[0], "end": want.best_span[1]
+            }  # fmt: skip
+    want = scorer.rank(query, docs, template=TEMPLATE, chunking={"window": 6, "max_chunks": 2})
+    assert cohere.status_code == 200, cohere.text
+    got = cohere.json()["results"]
+    assert [(r["index"], r["chunk"]["index"]) for r in got] == [
+        (w.index, w.best_chunk) for w in want
+    ]
+    assert all(r["chunk"]["end"] <= 12 for r in got)  # two chunks of 6 tokens at most
+    assert (bad.status_code, bad.json()["code"], bad.json()["param"]) == (
+        400,
+        "invalid_chunking",
+        "chunking.stride",
+    )

@@ -1,0 +1,224 @@
+"""`/v1/completions` for scoring (docs/completions.md): prompt log-probabilities equal
+`Scorer.loglikelihood`'s, prompts sharing a prefix share its computation, generation is refused;
+and lm-evaluation-harness's own `local-completions` model against the server gives the metrics
+of the in-process `tpuscore` model and of `hf`, each request within 1e-4."""
+
+import json
+import os
+import pathlib
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import ServerThread, random_tokens
+from hf_reference import BOS, EOS
+from tpuscore import Scorer
+from tpuscore.api import templates
+from tpuscore.serving import app as server
+from tpuscore.tasks import prompt_logprobs
+
+CASE = "llama_gqa_untied"
+# The shipped templates' labels are several tokens in the tests' tokenizer; the server needs one
+# that fits for its rerank endpoints.
+TEMPLATE = templates.Template(
+    name="test", query="{query}\n", item="{item}", item_suffix="?", labels=("y", "n"),
+    default_instruction="",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scorer(scorers):
+    return scorers(CASE)
+
+
+@pytest.fixture(scope="module")
+def client(scorer):
+    running = ServerThread(server.create_app(scorer, rerank_template=TEMPLATE))
+    with httpx.Client(base_url=running.url, timeout=120) as c:
+        yield c
+    running.stop()
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json=body)
+
+
+def test_echo_returns_every_prompt_tokens_logprob(client, scorer, rng):
+    prompt = random_tokens(rng, 12, scorer.config.vocab_size)
+    response = complete(client, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 0
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = scorer.loglikelihood(prompt[:1], [prompt[1:]])[0].token_logprobs
+    np.testing.assert_allclose(lp["token_logprobs"][1:], expected, rtol=1e-5, atol=1e-5)
+    for j, top in enumerate(lp["top_logprobs"][1:], 1):
+        # The top 3 and the prompt's own token; tokens that decode alike share one entry.
+        assert 1 <= len(top) <= 4
+        top1 = scorer.prompt_logprobs([prompt])[0].top_logprobs[j - 1, 0]
+        assert max(top.values()) == pytest.approx(top1, abs=1e-5)
+        assert max(top.values()) >= lp["token_logprobs"][j]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_max_tokens_1_adds_the_greedy_next_token_and_nothing_more(client, scorer, rng):
+    prompt = random_tokens(rng, 9, scorer.config.vocab_size)
+    body = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    choice = body.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == 10 and body.json()["usage"]["completion_tokens"] == 1
+    greedy = scorer.prompt_logprobs([prompt])[0].top_ids[-1, 0]
+    alone = scorer.loglikelihood(prompt, [[int(greedy)]])[0]
+    assert alone.is_greedy
+    assert lp["token_logprobs"][-1] == pytest.approx(alone.logprob, abs=1e-5)
+    assert choice["text"].endswith(lp["tokens"][-1])
+    # Without echo: the next token only.
+    lp = complete(client, prompt=prompt, logprobs=2, max_tokens=1).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 1 and lp["token_logprobs"][0] == pytest.approx(
+        alone.logprob, abs=1e-5
+    )
+
+
+def test_prompts_sharing_a_prefix_share_it_and_equal_each_alone(scorer, rng, monkeypatch):
+    vocab = scorer.config.vocab_size
+    context = random_tokens(rng, 10, vocab)
+    prompts = [context + random_tokens(rng, n, vocab) for n in (1, 4, 2)] + [context[:6]]
+    alone = [scorer.prompt_logprobs([p])[0] for p in prompts]
+    backend = scorer.engine.backends.get(prompt_logprobs.BACKEND)
+    prefixes = []
+    query_prefix = backend.query_prefix
+    monkeypatch.setattr(
+        backend, "query_prefix", lambda q: prefixes.append(len(q)) or query_prefix(q)
+    )
+    together = scorer.prompt_logprobs(prompts)
+    assert sorted(prefixes) == [1, 6]  # the first token once, the common prefix once
+    for a, t in zip(alone, together, strict=True):
+        np.testing.assert_allclose(t.token_logprobs, a.token_logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(t.top_logprobs, a.top_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_text_prompts_are_tokenized_with_special_tokens(client, scorer):
+    body = complete(client, prompt=["The fox ran.", "A mill"], echo=True, logprobs=0, max_tokens=0)
+    assert body.status_code == 200, body.text
+    choices = body.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["text"] == "The fox ran."
+    ids = scorer.tokenizer.encode("The fox ran.").ids
+    assert body.json()["usage"]["prompt_tokens"] == len(ids) + len(
+        scorer.tokenizer.encode("A mill").ids
+    )
+    assert len(choices[0]["logprobs"]["tokens"]) == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"prompt": [1, 2], "max_tokens": 2}, "generation_unsupported", "max_tokens"),
+        ({"prompt": [1, 2]}, "generation_unsupported", "max_tokens"),  # OpenAI's default 16
+        ({"prompt": [1, 2], "max_tokens": 1, "temperature": 0.7}, "generation_unsupported",
+         "temperature"),
+        ({"prompt": [1, 2], "max_tokens": 0, "n": 2}, "unsupported_field", "n"),
+        ({"prompt": [1, 2], "max_tokens": 0, "stream": True}, "unsupported_field", "stream"),
+        ({"prompt": [], "max_tokens": 0}, "invalid_prompt", "prompt"),
+        ({"prompt": [[1], [10**6]], "max_tokens": 0}, "token_id_exceeds_vocab", "prompt[1]"),
+        ({"prompt": [1, 2], "max_tokens": 0, "logprobs": 21}, "invalid_argument", "logprobs"),
+    ],
+)  # fmt: skip
+def test_what_needs_generation_or_is_malformed_is_refused(client, body, code, param):
+    response = complete(client, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert (error["code"], error["param"]) == (code, param)
+    if code == "generation_unsupported":
+        assert "does not" in error["message"]
+
+
+# -- lm-evaluation-harness's local-completions against the server -------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TASKS = ["tpuscore_mc", "tpuscore_ppl"]
+MAX_LENGTH = 48  # as tests/test_lm_eval.py: some requests truncated, several rolling windows
+
+
+@pytest.fixture(scope="module")
+def bos_checkpoint(checkpoint_dir, tmp_path_factory):
+    """tests/test_lm_eval.py's checkpoint: BOS-adding, with its tokenizer_config.json."""
+    path = tmp_path_factory.mktemp("completions") / "checkpoint"
+    shutil.copytree(checkpoint_dir("llama3_rope_tied"), path)
+    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_matches_tpuscore_and_hf(bos_checkpoint):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import tpuscore.integrations.lm_eval  # noqa: F401  registers "tpuscore"
+
+    running = ServerThread(
+        server.create_app(
+            Scorer.from_pretrained(bos_checkpoint, dtype="float32"), rerank_template=TEMPLATE
+        )
+    )
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the task files name their data relative to it
+    try:
+        manager = TaskManager(include_path=str(ROOT / "tests/data/lm_eval"), include_defaults=False)
+        local = f"pretrained={bos_checkpoint},dtype=float32,max_length={MAX_LENGTH}"
+        # The API model keeps max_length - 1 tokens for a generated one and rolls windows of
+        # max_length - 2: MAX_LENGTH + 2 gives the windows and cuts `hf` gets from MAX_LENGTH.
+        # add_bos_token: its Hugging Face tokenizer then adds the BOS, as `hf`'s does.
+        api = (
+            f"model=tiny,base_url={running.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={bos_checkpoint},max_length={MAX_LENGTH + 2},add_bos_token=True,"
+            "batch_size=8,tokenized_requests=True"
+        )
+        runs = {
+            name: lm_eval.simple_evaluate(
+                model=model,
+                model_args=args,
+                tasks=TASKS,
+                task_manager=manager,
+                device="cpu",
+                log_samples=True,
+            )  # fmt: skip
+            for name, model, args in [
+                ("hf", "hf", local),
+                ("tpuscore", "tpuscore", local),
+                ("http", "local-completions", api),
+            ]
+        }
+    finally:
+        os.chdir(cwd)
+        running.stop()
+    results = {name: run["results"] for name, run in runs.items()}
+    assert results["http"]["tpuscore_mc"]["sample_len"] == 8
+    for reference in ("hf", "tpuscore"):
+        for metric in ("acc,none", "acc_norm,none"):
+            assert (
+                results["http"]["tpuscore_mc"][metric] == results[reference]["tpuscore_mc"][metric]
+            )
+        for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+            assert results["http"]["tpuscore_ppl"][metric] == pytest.approx(
+                results[reference]["tpuscore_ppl"][metric], rel=1e-5
+            )
+        for task, count in (("tpuscore_mc", 32), ("tpuscore_ppl", 4)):
+            theirs, ours = (runs[m]["samples"][task] for m in (reference, "http"))
+            pairs = [
+                (a, b)
+                for doc_a, doc_b in zip(theirs, ours, strict=True)
+                for a, b in zip(doc_a["filtered_resps"], doc_b["filtered_resps"], strict=True)
+            ]
+            assert len(pairs) == count
+            for a, b in pairs:
+                if task == "tpuscore_mc":  # (logprob, is_greedy)
+                    assert float(b[0]) == pytest.approx(float(a[0]), abs=1e-4)
+                    assert bool(b[1]) == bool(a[1])
+                else:
+                    assert float(b) == pytest.approx(float(a), abs=1e-4)
