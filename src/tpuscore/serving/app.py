@@ -56,7 +56,7 @@ import tpuscore
 from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import guards, protocol
+from tpuscore.serving import guards, protocol, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
@@ -638,11 +638,10 @@ def create_app(
     scoring = [  # (path, handler, response model): POST, the body a JSON object
         ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
         ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
-        ("/tokenize", service.tokenize, protocol.TokenizeResponse),
         ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
         ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
-        ("/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
+        *tei.routes(service),  # /rerank and /tokenize: TEI's bodies beside the others
     ]
     for path, handler, model in scoring:
         app.router.add_api_route(
