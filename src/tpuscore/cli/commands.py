@@ -194,6 +194,13 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated Host names the server answers, or '*' for any (default: the "
         "loopback names for a loopback --host, any otherwise)",
     )
+    add(
+        "--metrics-names",
+        choices=("tpuscore", "vllm", "both"),
+        default="tpuscore",
+        help="GET /metrics' series: tpuscore's own (default), vLLM's names (vllm:...) for the "
+        "dashboards and autoscalers that read them, or both",
+    )
 
     p = command(
         "job",
@@ -501,6 +508,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_items=args.max_items,
             batcher_options=batcher_options,
             allowed_hosts=allowed_hosts,
+            metrics_names=args.metrics_names,
         )
     except ValueError as e:  # a bad flag value: template name, limits
         raise InputError(str(e)) from None

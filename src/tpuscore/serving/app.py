@@ -58,7 +58,7 @@ from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
 from tpuscore.serving import guards, protocol, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
-from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
+from tpuscore.serving.metrics import CONTENT_TYPE, Metrics, MetricsNames
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
@@ -592,6 +592,7 @@ def create_app(
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
     allowed_hosts: Collection[str] | None = None,
+    metrics_names: MetricsNames = "tpuscore",
 ) -> FastAPI:
     """The ASGI app serving `scorer`.
 
@@ -600,7 +601,8 @@ def create_app(
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
     to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
     `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
-    `tpuscore serve` does). Raises ValueError for an unknown template name or a limit below 1."""
+    `tpuscore serve` does). metrics_names: `/metrics`' series, tpuscore's, vLLM's or both
+    (serving/metrics.py). Raises ValueError for an unknown template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -613,6 +615,7 @@ def create_app(
             max_body_bytes=max_body_bytes,
             max_items=max_items,
         )
+        service.metrics = Metrics(metrics_names, model_name=model_name, batcher=batcher)
     except Exception:
         if own:
             batcher.close()
