@@ -195,6 +195,13 @@ def _parser() -> argparse.ArgumentParser:
         "loopback names for a loopback --host, any otherwise)",
     )
     add(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle HTTP connection stays open (default 75: longer than the 60 s "
+        "idle timeout of common load balancers, so none reuses a connection being closed)",
+    )
+    add(
         "--metrics-names",
         choices=("tpuscore", "vllm", "both"),
         default="tpuscore",
@@ -485,6 +492,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         ) from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    if not args.timeout_keep_alive > 0:
+        raise InputError(f"--timeout-keep-alive {args.timeout_keep_alive} must be > 0 seconds")
     check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
     limits = parse_limits(args.warmup_limits)
     scorer = load_scorer(args)
@@ -517,7 +526,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         "(POST /v1/score /v1/rerank /v2/rerank, GET /health /v1/models /metrics)",
         file=sys.stderr,
     )
-    server.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
     return 0
 
 

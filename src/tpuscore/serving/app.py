@@ -66,6 +66,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = 4096
+# Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
+# balancers (AWS ALB, GCP's and nginx's defaults are 60 s or less), uvicorn's 5 s is not.
+DEFAULT_KEEP_ALIVE_S = 75
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
@@ -695,6 +698,22 @@ def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def run(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
-    """Serve `app` with uvicorn until interrupted (one process: the model is loaded once)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+def run(
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    timeout_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
+):
+    """Serve `app` with uvicorn until interrupted (one process: the model is loaded once).
+
+    timeout_keep_alive: seconds an idle connection stays open; longer than the idle timeout
+    of the load balancer in front, so the server never closes a connection the balancer is
+    about to reuse (which its client would see as a reset)."""
+    if not timeout_keep_alive > 0:
+        raise ValueError(f"timeout_keep_alive must be > 0 seconds, got {timeout_keep_alive!r}")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive
+    )
+    uvicorn.Server(config).run()
