@@ -149,6 +149,9 @@ def test_scheduler_gauges_follow_the_batcher(scorers):
         text = metrics.text().decode()
         assert 'vllm:num_requests_waiting{engine="0",model_name="tiny-qwen3"} 2.0' in text
         assert 'vllm:num_requests_running{engine="0",model_name="tiny-qwen3"} 1.0' in text
+        own = Metrics("tpuscore", batcher=batcher).text().decode()
+        assert "\ntpuscore_requests_waiting 2.0\n" in own
+        assert "\ntpuscore_requests_running 1.0\n" in own
         held.release.set()
         for future in futures:
             future.result(timeout=60)

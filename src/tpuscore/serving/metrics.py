@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpuscore.api.results import ScoreResult
 from tpuscore.engine import executables
-from tpuscore.serving.vllm_metrics import VllmMetrics
+from tpuscore.serving.vllm_metrics import QueueGauges, VllmMetrics
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -25,7 +25,8 @@ METRICS_NAMES: tuple[MetricsNames, ...] = ("tpuscore", "vllm", "both")
 class Metrics:
     """tpuscore_requests_total, _request_seconds, _items_total, _tokens_total and
     _backend_picks_total, each labelled by endpoint (the path) or backend; and the process's
-    compiled executables (`Executables`). With names "vllm" or "both", vLLM's series
+    compiled executables (`Executables`); given the batcher, tpuscore_requests_waiting and
+    _running (`Batcher.counts()`). With names "vllm" or "both", vLLM's series
     (`VllmMetrics`, which reads `batcher`'s queue); "vllm" leaves tpuscore's out."""
 
     def __init__(
@@ -60,6 +61,15 @@ class Metrics:
         )
         if own:
             self.registry.register(Executables())
+        if own and batcher is not None:  # the autoscaler's signal (deploy/base/hpa.yaml)
+            self.registry.register(
+                QueueGauges(
+                    batcher,
+                    waiting="tpuscore_requests_waiting",
+                    running="tpuscore_requests_running",
+                    labels={},
+                )
+            )
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

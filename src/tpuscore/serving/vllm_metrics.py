@@ -61,7 +61,14 @@ class VllmMetrics:
             **kw,
         )
         if batcher is not None:
-            registry.register(_Queue(batcher, self.labels))
+            registry.register(
+                QueueGauges(
+                    batcher,
+                    waiting="vllm:num_requests_waiting",
+                    running="vllm:num_requests_running",
+                    labels=self.labels,
+                )
+            )
             batcher.on_batched = self.queue_time.observe
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
@@ -76,22 +83,20 @@ class VllmMetrics:
         self.prompt_tokens.inc(result.num_tokens)
 
 
-class _Queue:
-    """The two scheduler gauges, read from `Batcher.counts()` at each scrape."""
+class QueueGauges:
+    """A waiting and a running gauge, read from `Batcher.counts()` at each scrape, under the
+    names given (vLLM's, or tpuscore's in serving/metrics.py)."""
 
-    def __init__(self, batcher, labels: dict[str, str]):
-        self.batcher, self.labels = batcher, labels
+    def __init__(self, batcher, *, waiting: str, running: str, labels: dict[str, str]):
+        self.batcher, self.names, self.labels = batcher, (waiting, running), labels
 
     def collect(self):
-        waiting, running = self.batcher.counts()
-        for name, doc, value in (
-            (
-                "vllm:num_requests_running",
-                "Number of requests in model execution batches.",
-                running,
-            ),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
-        ):
+        counts = self.batcher.counts()
+        docs = (
+            "Number of requests waiting to be processed.",
+            "Number of requests in model execution batches.",
+        )
+        for name, doc, value in zip(self.names, docs, counts, strict=True):
             family = GaugeMetricFamily(name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value)
             yield family
