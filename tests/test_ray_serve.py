@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from test_server import TEMPLATE
+from tpuscore.serving import guards as server_guards
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -52,7 +53,11 @@ def cluster():
 
 def deploy(cluster, checkpoint, routing: str, batcher_options=None) -> str:
     """The app under `/<routing>`, two replicas; its URL once every replica is up."""
-    app_options = {"rerank_template": TEMPLATE, "model_name": "tiny"}
+    app_options = {
+        "rerank_template": TEMPLATE,
+        "model_name": "tiny",
+        "allowed_hosts": ["127.0.0.1"],
+    }
     if batcher_options is not None:
         app_options["batcher_options"] = batcher_options
     app = ray_serve.build_app(
@@ -191,6 +196,9 @@ def test_a_killed_replica_loses_no_request(cluster, checkpoint_dir, scorers, rng
     with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
         status, replica, _ = send(client, requests[0])
     assert status == 200 and replica != killed[0]
+    # The client's Host reaches the replica's app, which refuses a foreign one.
+    foreign = httpx.post(f"{url}/v1/score", json=requests[0], headers={"Host": "evil.example"})
+    assert foreign.status_code == 400 and foreign.json()["code"] == "invalid_host"
     serve.delete("query")
 
 
@@ -244,6 +252,9 @@ def test_serve_replicas_builds_the_app(monkeypatch, checkpoint_dir):
     assert options["app_options"]["metrics_names"] == "vllm"
     assert calls["start"]["http_options"]["keep_alive_timeout_s"] == 90
     assert calls["run"]["blocking"] is True
+    assert options["app_options"]["allowed_hosts"] == server_guards.default_allowed_hosts(
+        "127.0.0.1"
+    )
     assert cli.main(["serve", "--model", model, "--port", "0", "--replicas", "0"]) != 0
     assert cli.main([*argv[:-2], "--mesh", "2x1"]) != 0
 

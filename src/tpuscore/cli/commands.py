@@ -578,6 +578,10 @@ def _run_serve_replicas(args: argparse.Namespace, server) -> int:
         batcher_options["max_pending"] = args.max_pending
     if args.request_timeout is not None:
         batcher_options["request_timeout_s"] = args.request_timeout
+    if args.allowed_hosts is None:  # each replica's app checks the Host the gateway passes on
+        allowed_hosts = server.guards.default_allowed_hosts(args.host)
+    else:
+        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     cache = compilation_cache.command_dir(args.no_compilation_cache)  # each replica's too
     app = ray_serve.build_app(
         args.model,
@@ -597,6 +601,7 @@ def _run_serve_replicas(args: argparse.Namespace, server) -> int:
             "max_items": args.max_items,
             "batcher_options": batcher_options,
             "metrics_names": args.metrics_names,
+            "allowed_hosts": allowed_hosts,
         },
     )
     ray.init(address=os.environ.get("RAY_ADDRESS"))

@@ -11,7 +11,8 @@ Two deployments:
 
 - `Replica`: each replica loads the model once and serves `serving.app.create_app`'s app, the
   same endpoints, batcher and errors as `tpuscore serve`; a request reaches it as its method,
-  path, headers and body, and runs through that app in process.
+  path, headers (its Host too, which the app checks against `allowed_hosts`) and body, and runs
+  through that app in process.
 - `Gateway`, the HTTP ingress: reads the body, takes the query's first characters (or token
   ids) as the request's affinity key, and calls the replicas through a handle whose request
   router is `QueryAffinityRouter`. Ray's HTTP proxy hands a request router only the request's
