@@ -157,6 +157,6 @@ def test_schemathesis_finds_no_undocumented_answer(case, url, client, fuzz_deadl
         excluded_checks=[positive_data_acceptance],
     )
     assert response.status_code < 500, response.text
-    if case.path != "/metrics":
-        assert isinstance(response.json(), dict)
+    if case.path != "/metrics":  # TEI's /rerank and /tokenize answer a JSON list
+        assert isinstance(response.json(), dict | list)
     assert client.get("/health").json()["status"] == "ok"

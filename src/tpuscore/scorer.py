@@ -12,8 +12,8 @@ import jax
 import tokenizers
 
 from tpuscore.api import validation
-from tpuscore.api.errors import ValidationError
 from tpuscore.api.chunking import Chunking
+from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template

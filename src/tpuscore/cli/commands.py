@@ -203,6 +203,32 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated Host names the server answers, or '*' for any (default: the "
         "loopback names for a loopback --host, any otherwise)",
     )
+    add(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle HTTP connection stays open (default 75: longer than the 60 s "
+        "idle timeout of common load balancers, so none reuses a connection being closed)",
+    )
+    add(
+        "--replicas",
+        type=int,
+        help="serve N replicas of the model on Ray Serve (the ray extra), behind one endpoint "
+        "that routes requests by query so each replica's prefix cache keeps serving; default: "
+        "one process, no Ray (docs/serving.md, Serving at scale)",
+    )
+    add(
+        "--max-replicas",
+        type=int,
+        help="with --replicas N: autoscale between N and this many replicas on ongoing requests",
+    )
+    add(
+        "--metrics-names",
+        choices=("tpuscore", "vllm", "both"),
+        default="tpuscore",
+        help="GET /metrics' series: tpuscore's own (default), vLLM's names (vllm:...) for the "
+        "dashboards and autoscalers that read them, or both",
+    )
 
     p = command(
         "job",
@@ -498,7 +524,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         ) from None
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
+    if not args.timeout_keep_alive > 0:
+        raise InputError(f"--timeout-keep-alive {args.timeout_keep_alive} must be > 0 seconds")
     check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
+    if args.replicas is not None or args.max_replicas is not None:
+        return _run_serve_replicas(args, server)
     limits = parse_limits(args.warmup_limits)
     scorer = load_scorer(args)
     if args.warmup == "all":
@@ -521,6 +551,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_items=args.max_items,
             batcher_options=batcher_options,
             allowed_hosts=allowed_hosts,
+            metrics_names=args.metrics_names,
         )
     except ValueError as e:  # a bad flag value: template name, limits
         raise InputError(str(e)) from None
@@ -529,7 +560,84 @@ def _run_serve(args: argparse.Namespace) -> int:
         "(POST /v1/score /v1/rerank /v2/rerank, GET /health /v1/models /metrics)",
         file=sys.stderr,
     )
-    server.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
+    return 0
+
+
+def _run_serve_replicas(args: argparse.Namespace, server) -> int:
+    """`tpuscore serve --replicas N`: the same app on N Ray Serve replicas behind a gateway
+    (`tpuscore.integrations.ray_serve`), on the Ray cluster at RAY_ADDRESS or a local one."""
+    if args.replicas is None or args.replicas < 1:
+        raise InputError(f"--replicas must be an int >= 1, got {args.replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise InputError(f"--max-replicas {args.max_replicas} is below --replicas {args.replicas}")
+    for flag in ("mesh", "warmup_limits"):
+        if getattr(args, flag) is not None:
+            raise InputError(f"--{flag.replace('_', '-')} is not supported with --replicas")
+    if args.warmup != "none":
+        raise InputError("--warmup all is not supported with --replicas")
+    try:
+        import ray
+        from ray import serve
+
+        from tpuscore.integrations import ray_serve
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"--replicas needs the ray extra ({e.name} is missing): pip install -e '.[ray]'"
+        ) from None
+    from tpuscore.engine import compilation_cache
+
+    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
+    if args.max_pending is not None:
+        batcher_options["max_pending"] = args.max_pending
+    if args.request_timeout is not None:
+        batcher_options["request_timeout_s"] = args.request_timeout
+    if args.allowed_hosts is None:  # each replica's app checks the Host the gateway passes on
+        allowed_hosts = server.guards.default_allowed_hosts(args.host)
+    else:
+        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    cache = compilation_cache.command_dir(args.no_compilation_cache)  # each replica's too
+    app = ray_serve.build_app(
+        args.model,
+        num_replicas=args.replicas,
+        max_replicas=args.max_replicas,
+        scorer_options={
+            "dtype": args.dtype,
+            "backend": args.backend,
+            "profile": args.profile,
+            "batch_invariant": args.batch_invariant,
+            "compilation_cache_dir": cache,
+        },
+        app_options={
+            "model_name": args.served_model_name or server.model_name(args.model),
+            "rerank_template": args.rerank_template,
+            "max_body_bytes": args.max_body_bytes,
+            "max_items": args.max_items,
+            "batcher_options": batcher_options,
+            "metrics_names": args.metrics_names,
+            "allowed_hosts": allowed_hosts,
+        },
+    )
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    serve.start(
+        http_options={
+            "host": args.host,
+            "port": args.port,
+            "keep_alive_timeout_s": int(args.timeout_keep_alive),
+        }
+    )
+    print(
+        f"tpuscore: serving {args.replicas} replicas on http://{args.host}:{args.port} "
+        "(Ray Serve; requests routed by query)",
+        file=sys.stderr,
+    )
+    serve.run(app, name="tpuscore", route_prefix="/", blocking=True)
     return 0
 
 

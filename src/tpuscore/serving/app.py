@@ -57,9 +57,9 @@ from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.scorer import Scorer
-from tpuscore.serving import completions, guards, protocol
+from tpuscore.serving import completions, guards, protocol, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
-from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
+from tpuscore.serving.metrics import CONTENT_TYPE, Metrics, MetricsNames
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import ranking
 
@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = 4096
+# Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
+# balancers (AWS ALB, GCP's and nginx's defaults are 60 s or less), uvicorn's 5 s is not.
+DEFAULT_KEEP_ALIVE_S = 75
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
@@ -628,6 +631,7 @@ def create_app(
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
     allowed_hosts: Collection[str] | None = None,
+    metrics_names: MetricsNames = "tpuscore",
 ) -> FastAPI:
     """The ASGI app serving `scorer`.
 
@@ -636,7 +640,8 @@ def create_app(
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
     to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
     `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
-    `tpuscore serve` does). Raises ValueError for an unknown template name or a limit below 1."""
+    `tpuscore serve` does). metrics_names: `/metrics`' series, tpuscore's, vLLM's or both
+    (serving/metrics.py). Raises ValueError for an unknown template name or a limit below 1."""
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -649,6 +654,7 @@ def create_app(
             max_body_bytes=max_body_bytes,
             max_items=max_items,
         )
+        service.metrics = Metrics(metrics_names, model_name=model_name, batcher=batcher)
     except Exception:
         if own:
             batcher.close()
@@ -674,11 +680,10 @@ def create_app(
     scoring = [  # (path, handler, response model): POST, the body a JSON object
         ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
         ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
-        ("/tokenize", service.tokenize, protocol.TokenizeResponse),
         ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
         ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
-        ("/rerank", service.rerank_v1, protocol.RerankResponse),
         ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
+        *tei.routes(service),  # /rerank and /tokenize: TEI's bodies beside the others
     ]
     for path, handler, model in scoring:
         app.router.add_api_route(
@@ -730,6 +735,22 @@ def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def run(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
-    """Serve `app` with uvicorn until interrupted (one process: the model is loaded once)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+def run(
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    timeout_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
+):
+    """Serve `app` with uvicorn until interrupted (one process: the model is loaded once).
+
+    timeout_keep_alive: seconds an idle connection stays open; longer than the idle timeout
+    of the load balancer in front, so the server never closes a connection the balancer is
+    about to reuse (which its client would see as a reset)."""
+    if not timeout_keep_alive > 0:
+        raise ValueError(f"timeout_keep_alive must be > 0 seconds, got {timeout_keep_alive!r}")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive
+    )
+    uvicorn.Server(config).run()

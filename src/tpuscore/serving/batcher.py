@@ -43,7 +43,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -215,6 +215,9 @@ class Batcher:
         self._stopped = False  # the worker has drained the queue: the deadline thread ends
         self._tokenize_workers = tokenize_workers
         self._tokenizer_pool: ThreadPoolExecutor | None = None
+        # Called, under the lock, with a request's seconds in the queue when its first items
+        # enter a batch (the server's queue-time metric); must be quick.
+        self.on_batched: Callable[[float], None] | None = None
         self._worker = threading.Thread(target=self._serve, name="tpuscore-batcher", daemon=True)
         self._reaper = threading.Thread(
             target=self._expire_due, name="tpuscore-batcher-deadlines", daemon=True
@@ -226,6 +229,13 @@ class Batcher:
     def pending(self) -> int:
         """Requests accepted and not yet finished (tokenizing, queued or running)."""
         return self._pending
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running): requests accepted and not in the running batch (tokenizing or
+        queued, a split request's remainder too), and those the running batch holds."""
+        with self._lock:
+            waiting = self._admitting + len(self._queue)
+            return waiting, max(self._pending - waiting, 0)
 
     @property
     def closed(self) -> bool:
@@ -476,11 +486,14 @@ class Batcher:
             self._drop_expired()
             batch: list[tuple[_Pending, ScoreRequest]] = []
             room = self.max_batch_tokens
+            now = time.monotonic()
             for entry in list(self._queue):
                 chunk = self._chunk(entry, room, first=not batch)
                 if chunk is None:
                     break
                 self._dequeue(entry)
+                if entry.done_items == 0 and self.on_batched is not None:
+                    self.on_batched(now - entry.enqueued)
                 batch.append((entry, chunk))
                 room -= _tokens(chunk)
             return batch

@@ -518,7 +518,8 @@ AnyScoreRequest = Annotated[
     | SkipJsonSchema[Annotated[_AmbiguousScoreRequest, pydantic.Tag("ambiguous")]],
     pydantic.Discriminator(_score_shape),
 ]
-SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous"})
+# With serving/tei.py's tags for /rerank's and /tokenize's shapes ("other", "tei").
+SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous", "other", "tei"})
 
 
 class TokenizeRequest(WireRequest):

@@ -1,0 +1,264 @@
+"""Text Embeddings Inference's (TEI's) `/rerank` and `/tokenize`, beside the other peers' bodies on
+the same paths.
+
+TEI's request and response shapes are those of its router (huggingface/text-embeddings-inference,
+router/src/http/types.rs: `RerankRequest`, `Rank`, `TokenizeRequest`, `SimpleToken`; the handlers
+in router/src/http/server.rs). A body is told apart from the other peers' by its fields, as
+/v1/score tells SGLang's from vLLM's: `/rerank` with `texts` is TEI's, with `documents` Cohere's,
+Jina's or vLLM's; `/tokenize` with `inputs` is TEI's, with `prompt` vLLM's. A body with both
+is refused with 400 `ambiguous_request`.
+
+A TEI rerank scores each text with the server's rerank template, as `/v1/rerank` does: its
+`score` is the same relevance score, P(yes) / (P(yes) + P(no)) (a classification model: the
+relevant class's probability), and with `raw_scores` the logit whose sigmoid that is,
+log P(yes) - log P(no), as TEI's raw scores are a reranker's logit before its sigmoid. Results
+are sorted as TEI sorts them: highest score first, equal scores in reverse input order (TEI sorts
+ascending, stably, then reverses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import numpy as np
+import pydantic
+import scipy.special
+from fastapi import Request
+from pydantic import BaseModel, Field, RootModel
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+from starlette.responses import Response
+
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.results import ScoreResult
+from tpuscore.serving import protocol
+
+if TYPE_CHECKING:
+    from tpuscore.serving.app import Service
+
+# The fields that make a body TEI's, and the other peers' on the same path.
+TEI_RERANK_FIELD, OTHER_RERANK_FIELD = "texts", "documents"
+TEI_TOKENIZE_FIELD, OTHER_TOKENIZE_FIELD = "inputs", "prompt"
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+class TeiRerankRequest(protocol.WireRequest):
+    """TEI's `/rerank` request."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "query": "What is Deep Learning?",
+                    "texts": ["Deep Learning is not...", "Deep learning is..."],
+                    "raw_scores": False,
+                }
+            ]
+        }
+    )
+
+    query: str
+    texts: Annotated[list[str], Field(min_length=1)] = Field(description="the texts to rank")
+    truncate: bool | None = Field(
+        None,
+        description="true: cut each text to what fits beside the query; false or null: a text "
+        "that does not fit fails with sequence_too_long",
+    )
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field(
+        "right", description="right: a cut text keeps its start; left: its end"
+    )
+    raw_scores: bool = Field(False, description="return the logits, not their sigmoid")
+    return_text: bool = Field(False, description="include each text in its result")
+
+
+class TeiTokenizeRequest(protocol.WireRequest):
+    """TEI's `/tokenize` request."""
+
+    inputs: protocol.TextOrTexts = Field(description="a text, or a non-empty list of texts")
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS)")
+    prompt_name: protocol.DefaultOnly = protocol.default_only(
+        None, "TEI's sentence-transformers prompt; accepted only as null"
+    )
+
+
+class _AmbiguousRequest(BaseModel):
+    """A body with both TEI's field and the other peers' on the same path: refused."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, body: dict[str, Any]) -> Any:
+        tei = TEI_RERANK_FIELD if TEI_RERANK_FIELD in body else TEI_TOKENIZE_FIELD
+        other = OTHER_RERANK_FIELD if tei == TEI_RERANK_FIELD else OTHER_TOKENIZE_FIELD
+        raise PydanticCustomError(
+            "ambiguous_request",
+            "the body has TEI's field {tei} and the other shape's {other}; send one shape",
+            {"param": tei, "tei": tei, "other": other},
+        )
+
+
+def _shape(tei_field: str, other_field: str) -> Callable[[Any], str]:
+    def shape(body: Any) -> str:
+        if not isinstance(body, dict) or tei_field not in body:
+            return "other"
+        return "ambiguous" if other_field in body else "tei"
+
+    return shape
+
+
+AnyRerankRequest = Annotated[
+    Annotated[protocol.RerankRequest, pydantic.Tag("other")]
+    | Annotated[TeiRerankRequest, pydantic.Tag("tei")]
+    | SkipJsonSchema[Annotated[_AmbiguousRequest, pydantic.Tag("ambiguous")]],
+    pydantic.Discriminator(_shape(TEI_RERANK_FIELD, OTHER_RERANK_FIELD)),
+]
+AnyTokenizeRequest = Annotated[
+    Annotated[protocol.TokenizeRequest, pydantic.Tag("other")]
+    | Annotated[TeiTokenizeRequest, pydantic.Tag("tei")]
+    | SkipJsonSchema[Annotated[_AmbiguousRequest, pydantic.Tag("ambiguous")]],
+    pydantic.Discriminator(_shape(TEI_TOKENIZE_FIELD, OTHER_TOKENIZE_FIELD)),
+]
+# The union tags above, which an error's location drops (protocol.error_fields).
+SHAPE_TAGS = frozenset({"other", "tei", "ambiguous"})
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+class TeiRank(BaseModel):
+    index: int
+    text: str | None = Field(None, description="absent unless return_text")
+    score: float
+
+
+class TeiRerankResponse(RootModel[list[TeiRank]]):
+    """TEI's `/rerank` response: highest score first, equal scores in reverse input order."""
+
+
+class TeiToken(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = Field(description="the token's first byte in the input; null: special")
+    stop: int | None = Field(description="one past its last byte; null: special")
+
+
+class TeiTokenizeResponse(RootModel[list[list[TeiToken]]]):
+    """TEI's `/tokenize` response: a list of tokens per input (one list for a single text)."""
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+
+def log_odds(result: ScoreResult, positive: int) -> np.ndarray:
+    """Per item, the logit whose sigmoid is the relevance score `ranking.rank_result` gives:
+    log P(positive) - log(sum of the other labels' P) (a one-logit classifier: its logit)."""
+    logits = result.logprobs.astype(np.float64)
+    if result.classification and logits.shape[1] == 1:
+        return logits[:, 0]
+    others = np.delete(logits, positive, axis=1)
+    return logits[:, positive] - scipy.special.logsumexp(others, axis=1)
+
+
+async def rerank(service: Service, request: Request, body: TeiRerankRequest) -> Response:
+    """TEI's rerank: every text's relevance to the query under the server's template."""
+    from tpuscore.serving.app import JSONResponse, wire_names  # app imports this module
+
+    texts = body.texts
+    service.check_count(texts, "texts")
+    # Each distinct text is scored once: equal texts get equal scores, so TEI's tie order holds.
+    distinct = list(dict.fromkeys(texts))
+    t = service.template
+    query = t.render_query(body.query)
+    max_tokens = None
+    if body.truncate and service.scorer.tokenizer is not None:
+        room = await asyncio.to_thread(service.room_beside, query)
+        if room >= 1:  # else the query alone is too long: sequence_too_long says so
+            max_tokens = room
+    try:
+        result = await service.scored(
+            request,
+            query=query,
+            items=[t.render_item(text) for text in distinct],
+            labels=service.labels,
+            item_suffix=t.item_suffix,
+            max_item_tokens=max_tokens,
+            truncate=body.truncation_direction.lower(),
+        )
+    except ValidationError as e:
+        raise wire_names(e, {"items": "texts"}) from None
+    service.metrics.scored(request.url.path, len(distinct), result)
+    raw = log_odds(result, service.positive)
+    by_text = dict(zip(distinct, raw if body.raw_scores else scipy.special.expit(raw), strict=True))
+    scores = [float(by_text[text]) for text in texts]
+    order = sorted(range(len(texts)), key=lambda i: (scores[i], i), reverse=True)
+    ranks = [
+        TeiRank(index=i, text=texts[i] if body.return_text else None, score=scores[i]).model_dump(
+            exclude_none=True
+        )
+        for i in order
+    ]
+    return JSONResponse(ranks)
+
+
+def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiToken]:
+    """TEI's tokens of one text: byte offsets into its UTF-8, and the bytes they span as text
+    (core/src/tokenization.rs `into_tokens`); a special token has its own text and no offsets."""
+    encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    data = text.encode("utf-8")
+    # tokenizers' Python encodings give character offsets; TEI's are bytes.
+    byte_at = np.concatenate(([0], np.cumsum([len(c.encode("utf-8")) for c in text], dtype=int)))
+    tokens = []
+    for token_id, (start, stop), special, token in zip(
+        encoding.ids,
+        encoding.offsets,
+        encoding.special_tokens_mask,
+        encoding.tokens,
+        strict=True,
+    ):
+        if special:
+            tokens.append(TeiToken(id=token_id, text=token, special=True, start=None, stop=None))
+            continue
+        first, last = int(byte_at[start]), int(byte_at[stop])
+        piece = data[first:last].decode("utf-8", errors="replace")
+        tokens.append(TeiToken(id=token_id, text=piece, special=False, start=first, stop=last))
+    return tokens
+
+
+async def tokenize(service: Service, body: TeiTokenizeRequest) -> Response:
+    """TEI's tokenize: each input's tokens under the served model's tokenizer."""
+    from tpuscore.serving.app import JSONResponse
+
+    tokenizer = service.require_tokenizer("inputs")
+    inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    service.check_count(inputs, "inputs")
+    for j, text in enumerate(inputs):
+        validation.check_text(text, "inputs" if isinstance(body.inputs, str) else f"inputs[{j}]")
+    response = TeiTokenizeResponse(
+        [tokens_of(tokenizer, text, body.add_special_tokens) for text in inputs]
+    )
+    return JSONResponse(response.model_dump())
+
+
+def routes(service: Service) -> list[tuple[str, Callable[..., Any], Any]]:
+    """(path, handler, response model) of `/rerank` and `/tokenize`, each taking TEI's body or
+    the other peers' (served by `service`'s own handlers)."""
+
+    async def rerank_any(request: Request, body: AnyRerankRequest) -> Response:
+        """TEI's rerank (`texts`), or Cohere v1's / Jina's / vLLM's (`documents`)."""
+        if isinstance(body, TeiRerankRequest):
+            return await rerank(service, request, body)
+        return await service.rerank_v1(request, body)
+
+    async def tokenize_any(body: AnyTokenizeRequest) -> Response:
+        """TEI's tokenize (`inputs`), or vLLM's (`prompt`)."""
+        if isinstance(body, TeiTokenizeRequest):
+            return await tokenize(service, body)
+        return await service.tokenize(body)
+
+    return [
+        ("/rerank", rerank_any, protocol.RerankResponse | TeiRerankResponse),
+        ("/tokenize", tokenize_any, protocol.TokenizeResponse | TeiTokenizeResponse),
+    ]
