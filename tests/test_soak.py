@@ -272,7 +272,7 @@ def soak(scorers):
 
 
 @pytest.mark.slow
-def test_soak_answers_exactly_and_bounds_latency_and_memory(soak):
+def test_soak_answers_exactly_and_bounds_waiting_and_memory(soak):
     scorer = soak["scorer"]
     statuses = [response.status_code for _, _, response in soak["answers"]]
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
