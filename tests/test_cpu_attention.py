@@ -1,14 +1,18 @@
 """The fused CPU attention kernel (kernels/cpu_attention): rows attending to one shared prefix,
 against its jnp reference `decoder._prefix_parts` on fresh random inputs, batch invariance in
 bits, the keys it reads, and prefill_extend running it. It needs an x86-64 CPU with AVX-512F and
-a C++ compiler; elsewhere the package runs XLA's ops instead and these tests skip."""
+a C++ compiler; elsewhere the package runs XLA's ops instead and these tests skip. Where the
+platform can run it, a kernel that does not build or load fails them: in CI, and on any x86-64
+Linux machine with AVX-512F and a compiler (`needs_kernel`)."""
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +26,51 @@ from tpuscore.backends.prefill_extend import backend as prefill_extend
 from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
 
-pytestmark = pytest.mark.skipif(
-    not cpu_attention.available(), reason="needs x86-64 Linux with AVX-512F and a C++ compiler"
-)
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def cannot_run() -> str | None:
+    """Why this platform cannot run the kernel, or None where it can. In CI only the hardware
+    excuses a skip: a missing compiler or a kernel turned off there is a failure."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64 Linux, not {sys.platform} on {platform.machine()}"
+    if "avx512f" not in _cpu_flags():
+        return "this CPU has no AVX-512F"
+    if _in_ci():
+        return None
+    if cpu_attention.library.compiler() is None:
+        return "no C++ compiler ($CXX, c++, g++ or clang++)"
+    if os.environ.get(cpu_attention.library.ENV, "").strip().lower() in ("off", "0", "false"):
+        return f"turned off by {cpu_attention.library.ENV}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def built_kernel():
+    """Skip where the platform cannot run the kernel; fail where it can but the kernel is not
+    available (it did not build or load: the warning logged above says why)."""
+    reason = cannot_run()
+    if reason is not None:
+        pytest.skip(reason)
+    if not cpu_attention.available():
+        pytest.fail(
+            "this machine can run the CPU attention kernel (x86-64 Linux, AVX-512F, "
+            f"compiler {cpu_attention.library.compiler()!r}) but it is not available: it did not "
+            "build, load or register (see the logged warning)"
+        )
+
+
+needs_kernel = pytest.mark.usefixtures("built_kernel")
 SETTINGS = settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -51,6 +97,7 @@ def reference(q, k, v, length, scale):
     return decoder._prefix_parts(q, k, v, jnp.arange(k.shape[-1]) < length, layer)
 
 
+@needs_kernel
 @SETTINGS
 @given(
     data=st.data(),
@@ -79,6 +126,7 @@ def test_matches_the_jnp_reference(data, B, T, K, G, H, P):
             assert error.max() <= 1e-5
 
 
+@needs_kernel
 def test_the_softmax_is_accurate_to_a_few_ulps(rng):
     """Scores exact in float32 (q in {-1, 0, 1}, k in quarters, scale 1) and 16 keys, one
     16-lane vector: what is left is the kernel's exp and one lane sum, so the max equals the
@@ -108,6 +156,7 @@ def _exact(q, k, v, length, scale):
     return o, m, total
 
 
+@needs_kernel
 def test_no_key_gives_an_empty_part(rng):
     """Length 0: what `_masked_exp` gives a fully masked row (o 0, max finfo.min, sum 0), which
     `decoder._merge_parts` weighs as nothing."""
@@ -117,6 +166,7 @@ def test_no_key_gives_an_empty_part(rng):
     assert (np.asarray(m) == np.finfo(np.float32).min).all()
 
 
+@needs_kernel
 @SETTINGS
 @given(data=st.data(), T=st.integers(2, 120), H=st.sampled_from([10, 64]))
 def test_a_row_is_bit_identical_whatever_shares_its_call(data, T, H):
@@ -137,6 +187,7 @@ def test_a_row_is_bit_identical_whatever_shares_its_call(data, T, H):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@needs_kernel
 def test_keys_past_length_are_never_read(rng):
     """NaN in every key and value position from `length` on leaves the result finite and equal
     to the clean one: the padding a prefix's bucket adds is neither read into a sum nor
@@ -151,6 +202,7 @@ def test_keys_past_length_are_never_read(rng):
         np.testing.assert_array_equal(a, b)
 
 
+@needs_kernel
 def test_prefill_extend_runs_it_and_matches_xla_ops(scorers, rng, monkeypatch):
     """prefill_extend's extend step calls the kernel on a float32 model without windows, and its
     scores equal the same step on XLA's ops within float rounding."""
@@ -199,3 +251,21 @@ def test_off_or_unbuildable_means_xla_ops(tmp_path, env, logged):
     assert run.returncode == 0, run.stderr
     assert "available False" in run.stdout
     assert logged in run.stderr
+
+
+@pytest.mark.slow  # a pytest run in a subprocess
+def test_a_kernel_that_does_not_build_fails_these_tests_where_it_could_run(tmp_path):
+    """Where the platform can run the kernel, a compiler that fails (into an empty cache) makes
+    the kernel's tests fail, not skip: CI on an AVX-512 machine cannot pass without it."""
+    reason = cannot_run()
+    if reason is not None:
+        pytest.skip(reason)
+    environ = {**os.environ, "TPUSCORE_KERNEL_CACHE": str(tmp_path), "CXX": "false"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-k", "test_no_key_gives_an_empty_part",
+         "-n", "0", "-p", "no:cacheprovider", "-q"],
+        env=environ, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 error" in run.stdout and "skipped" not in run.stdout, run.stdout
+    assert "it is not available: it did not build" in run.stdout

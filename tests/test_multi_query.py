@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import random_tokens, seeded_rng
+from helpers import ALONE_VS_BATCHED, random_tokens, seeded_rng
 from tpuscore import Scorer, backends
 from tpuscore.backends import BackendOutput
 from tpuscore.backends.buckets import bucket_count, bucket_tokens
@@ -149,7 +149,7 @@ def test_scores_do_not_depend_on_what_shares_the_step(scorers, rng, backend):
     np.testing.assert_array_equal(among[0], among[1])
     cache.clear()
     alone = scorer.score(**target, backend=backend).logprobs
-    np.testing.assert_allclose(alone, among[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(alone, among[0], **ALONE_VS_BATCHED)
     differ = int((alone != among[0]).sum())
     print(
         f"alone vs among others: {differ}/{alone.size} differ, max {np.abs(alone - among[0]).max()}"

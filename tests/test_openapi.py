@@ -4,7 +4,6 @@ documented status with a JSON body, never a 500, and the server stays healthy.
 """
 
 import json
-import time
 
 import attrs
 import httpx
@@ -24,9 +23,6 @@ MAX_BODY_BYTES = 128 << 10
 MAX_ITEMS = 8
 EXAMPLES_PER_OPERATION = 12
 REQUEST_TIMEOUT_S = 60
-# The fuzz run's time bound: examples drawn after it are not sent. The run takes about a minute
-# on a 2-core machine busy with other jobs.
-FUZZ_BUDGET_S = 240
 ENDPOINTS = {
     ("/v1/score", "post"),
     ("/score", "post"),
@@ -129,11 +125,6 @@ def api_schema(url):
     return schemathesis.openapi.from_url(f"{url}/openapi.json")
 
 
-@pytest.fixture(scope="module")
-def fuzz_deadline():
-    return time.monotonic() + FUZZ_BUDGET_S
-
-
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
@@ -145,12 +136,11 @@ schema = schemathesis.pytest.from_fixture("api_schema")
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-def test_schemathesis_finds_no_undocumented_answer(case, url, client, fuzz_deadline):
+def test_schemathesis_finds_no_undocumented_answer(case, url, client):
     """Every answer is a documented status, content type and schema, never a 500; a JSON body
     except /metrics' text. positive_data_acceptance is off: data the schema allows may still
-    be refused by the library (a token id past the vocabulary, a multi-token label)."""
-    if time.monotonic() > fuzz_deadline:
-        return
+    be refused by the library (a token id past the vocabulary, a multi-token label). Every
+    example drawn is sent: the run is bounded by EXAMPLES_PER_OPERATION, not by a clock."""
     response = case.call_and_validate(
         base_url=url,
         timeout=REQUEST_TIMEOUT_S,

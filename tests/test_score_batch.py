@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers import random_tokens
+from helpers import ALONE_VS_BATCHED, random_tokens
 from tpuscore import Scorer, ValidationError, backends
 
 
@@ -25,7 +25,7 @@ def test_results_equal_scoring_each_request_alone(scorers, rng):
     assert len(results) == len(requests)
     for request, result in zip(requests, results, strict=True):
         alone = scorer.score(**request)
-        np.testing.assert_allclose(result.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(result.logprobs, alone.logprobs, **ALONE_VS_BATCHED)
         assert result.apply_softmax == request.get("apply_softmax", False)
         assert not result.logprobs.flags.writeable
     assert results[3].logprobs.shape == (0, 3) and results[3].backend == "none"
