@@ -12,6 +12,8 @@ from tokenizers import models, pre_tokenizers, processors
 
 import tpuscore.api
 from tpuscore.api import templates, validation
+from tpuscore.api.calibration import Calibration
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
 
@@ -167,6 +169,11 @@ OTHER_BAD = [
     ("invalid_backend_option", lambda: check_int("max_rows", 2.0, minimum=0)),
     ("unknown_template", lambda: templates.get("qwen4")),
     ("unknown_template", lambda: templates.get(["plain"])),
+    ("invalid_chunking", lambda: Chunking(window=0)),
+    ("invalid_chunking", lambda: Chunking(window=4, stride=5)),
+    ("invalid_chunking", lambda: Chunking(window=4, aggregate="median")),
+    ("invalid_chunking", lambda: Chunking.of(["window", 4])),
+    ("invalid_calibration", lambda: Calibration.load("/nonexistent/calibration.json")),
 ]
 
 
