@@ -308,5 +308,5 @@ def test_an_error_located_inside_a_batch_names_both():
         "requests[0]"
     )
     assert repr(error) == (
-        "ValidationError(code='invalid_query', param='query', message='query must be a str')"
+        "ValidationError(code='invalid_query', loc=('query',), message='query must be a str')"
     )
