@@ -179,7 +179,7 @@ def test_groups_with_one_query_and_other_labels(scorers, rng, backend):
     assert max(out.stats.steps for out in outputs) <= 2  # at most a prefill and one extend
 
 
-class OneGroupAtATime:
+class OneGroupAtATime(backends.PerGroupBackend):
     """A user backend with only `score(batch)`: the reference's scores, one group per call."""
 
     def __init__(self, model, options):

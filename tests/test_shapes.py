@@ -149,8 +149,8 @@ def test_every_scheduled_shape_is_in_the_set(warmed, groups, seed):
     for name in BACKENDS:
         backend = scorer.get_backend(name)
         for output in backend.score_groups(batches):
-            for step, shape in output.stats.shapes:
-                assert (name, step, shape) in listed
+            for s in output.stats.shapes:
+                assert (name, s.step, s.shape) in listed
 
 
 def test_limits_shrink_with_the_lattice(small_steps):

@@ -130,20 +130,19 @@ class Engine:
         results = [
             ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
         ]
-        planned = planning.plan(
+        calls = planning.plan(
             requests, name, self.selector, self.backends, batch_invariant=self.batch_invariant
         )
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
-        for chosen, groups in planning.by_backend(planned).items():
-            instance = self.backends.get(chosen)
-            outputs = memory_guard.score_groups(chosen, instance, [g.batch for g in groups])
-            for group, output in zip(groups, outputs, strict=True):
-                split = planning.split(output, group, requests, chosen)
+        for call in calls:
+            outputs = memory_guard.run(call.backend, self.backends.get(call.backend), call.plan)
+            for group, output in zip(call.groups, outputs, strict=True):
+                split = planning.split(output, group, requests, call.backend)
                 for i, result in zip(group.members, split, strict=True):
                     results[i] = result
             if on_progress is not None:
-                on_progress(sum(len(g.members) for g in groups))
+                on_progress(sum(len(g.members) for g in call.groups))
         executables.guard().check()
         return results
 
@@ -165,7 +164,8 @@ class Engine:
         batches = [g.batch for g in planning.group([request])]
         plan = self.cost_model.plan(batches, self.backends)
         if self.selector is not self.cost_model:
-            plan = attrs.evolve(plan, pick=self.selector.select(batches, self.backends))
+            pick = planning.picked(self.selector.select(batches, self.backends))
+            plan = attrs.evolve(plan, pick=pick)
         return plan
 
     def warmup(

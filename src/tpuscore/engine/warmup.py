@@ -24,7 +24,7 @@ import numpy as np
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, planning
+from tpuscore.engine import executables, memory_guard, planning
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,14 @@ def warm(
         for name in backends:
             ran = set()
             while True:  # auto: again if the query, now cached, changes its pick (module doc)
-                ((group, chosen),) = planning.plan([request], name, selector, fresh)
+                ((call),) = planning.plan([request], name, selector, fresh)
+                chosen = call.backend
                 if chosen in ran:
                     break
                 ran.add(chosen)
                 start = time.perf_counter()
-                stats = fresh.get(chosen).score(group.batch).stats
+                (output,) = memory_guard.run(chosen, fresh.get(chosen), call.plan)
+                stats = output.stats
                 seconds = time.perf_counter() - start
                 logger.info(
                     "warmed %s on %s: %d steps in %.2f s", geometry, chosen, stats.steps, seconds

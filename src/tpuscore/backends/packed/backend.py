@@ -28,14 +28,19 @@ import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
+from tpuscore.backends.base import Scoring
 from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
+    Plan,
     ScoreBatch,
-    Shape,
     ShapeLimits,
+    Step,
+    StepShape,
+    StepTable,
     stack_labels,
+    step_table,
 )
 from tpuscore.backends.packed import memory, packing
 from tpuscore.kernels.segment import segment_attention
@@ -50,6 +55,7 @@ from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 logger = logging.getLogger(__name__)
 
+SCORE_PACKED = "score_packed"  # the one step
 MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
 MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
 # Packed tokens per scored position: a row of T tokens scores up to about T / 12 items (`slots`),
@@ -161,7 +167,7 @@ class PackedStep:
     tokens: tuple[int, ...]
 
 
-class PackedBackend(Budgeted):
+class PackedBackend(Scoring, Budgeted):
     """What both packed backends share; subclasses say how attention applies the mask."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
@@ -172,12 +178,14 @@ class PackedBackend(Budgeted):
         self.model = model
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
 
-    def score(self, batch: ScoreBatch) -> BackendOutput:
-        return self.score_groups([batch])[0]
+    def plan(self, batches: Sequence[ScoreBatch]) -> Plan:
+        """The `schedule` of these groups."""
+        return Plan(tuple(batches), self.schedule(batches))
 
-    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+    def run(self, plan: Plan) -> list[BackendOutput]:
+        batches = plan.batches
         out = BackendOutput.for_groups(batches)
-        for step in self.schedule(batches):
+        for step in plan.steps:
             if step.length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
@@ -196,7 +204,7 @@ class PackedBackend(Budgeted):
             for g, n in zip(groups, step.tokens, strict=True):
                 tokens[g] = tokens.get(g, 0) + n
             out.step(
-                "score_packed",
+                SCORE_PACKED,
                 (*packed.tokens.shape, packed.score_index.shape[1], labels.shape[1]),
                 tokens,
             )
@@ -314,11 +322,11 @@ class PackedBackend(Budgeted):
         room = budget - self.memory_bytes(fits)
         return fits, pow2_floor(room // work.logits_bytes(config, 1))
 
-    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
-        """What each step of `schedule(batches)` does (for `selection.py`)."""
+    def price(self, plan: Plan) -> list[work.StepWork]:
+        """What each step of the plan does (for `selection.py`)."""
         config, itemsize = self.model.config, self.model.dtype.itemsize
-        steps = []
-        for step in self.schedule(batches):
+        batches, steps = plan.batches, []
+        for step in plan.steps:
             T = step.length
             chunks = [(g, rows, n) for (g, rows), n in zip(step.chunks, step.tokens, strict=True)]
             if self.block_sizes is None:  # dense: every (token, key) pair, masked or not
@@ -347,35 +355,37 @@ class PackedBackend(Budgeted):
             )
         return steps
 
-    def shapes(self, limits: ShapeLimits) -> set[Shape]:
-        """Every (step, shape) this backend can compile for requests within `limits`, on its
+    @property
+    def steps(self) -> StepTable:
+        """Its one step, score_packed (rows, T, slots, C)."""
+        return step_table(Step(SCORE_PACKED, self.score_packed, self._packed_zeros))
+
+    def _packed_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, length, slots, width = shape
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        inputs = [zeros((rows, length))] * 2 + [zeros(rows), zeros((rows, length))]
+        inputs += [zeros((rows, slots)), zeros((rows, width))]
+        args = (self.model.params, *map(self.model.layout.put_rows, inputs))
+        kwargs = {
+            "config": self.model.config,
+            "block_sizes": self.block_sizes,
+            "layout": self.model.layout,
+        }
+        return args, kwargs
+
+    def shapes(self, limits: ShapeLimits) -> set[StepShape]:
+        """Every step shape this backend can compile for requests within `limits`, on its
         budget as it is: score_packed (rows, T, slots(T), C) for T a packed length up to the
         longest chunk (`max_tokens`, or a query and one item past it), rows a power of two
         within T's budget, C a label bucket (docs/serving.md, "Compiled shapes")."""
         longest = max(self.max_tokens, limits.query_tokens + limits.item_tokens)
         lengths = sorted({self.bucket(n) for n in range(1, longest + 1)})
         return {
-            ("score_packed", (rows, length, self.slots(length), width))
+            StepShape(SCORE_PACKED, (rows, length, self.slots(length), width))
             for length in lengths
             for rows in row_buckets(1, self.rows(length), self.model.layout.data)
             for width in limits.label_widths()
         }
-
-    def warm(self, shape: Shape) -> None:
-        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
-        name, (rows, length, slots, width) = shape
-        if name != "score_packed":
-            raise ValueError(f"{type(self).__name__} has no step {name!r}")
-        zeros = functools.partial(np.zeros, dtype=np.int32)
-        inputs = [zeros((rows, length))] * 2 + [zeros(rows), zeros((rows, length))]
-        inputs += [zeros((rows, slots)), zeros((rows, width))]
-        self.score_packed(
-            self.model.params,
-            *map(self.model.layout.put_rows, inputs),
-            config=self.model.config,
-            block_sizes=self.block_sizes,
-            layout=self.model.layout,
-        )
 
     def memory_bytes(self, length: int) -> int:
         """Estimated peak memory of one layer at this packed length."""

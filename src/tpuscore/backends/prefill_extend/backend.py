@@ -42,6 +42,7 @@ import numpy as np
 
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
+from tpuscore.backends.base import Scoring
 from tpuscore.backends.buckets import (
     MIN_TOKEN_BUCKET,
     bucket_count,
@@ -54,10 +55,14 @@ from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
     GroupsOutputBuilder,
+    Plan,
     ScoreBatch,
-    Shape,
     ShapeLimits,
+    Step,
+    StepShape,
+    StepTable,
     stack_labels,
+    step_table,
 )
 from tpuscore.backends.prefill_extend import memory
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache, Reuse
@@ -69,6 +74,16 @@ from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
 logger = logging.getLogger(__name__)
+
+# The jitted steps' names, as the step table, the shape set and the run's stats give them.
+PREFILL, PREFILL_ROWS, STACK, UNSTACK, RESIZE = (
+    "prefill",
+    "prefill_rows",
+    "stack",
+    "unstack",
+    "resize",
+)
+SCORE_ITEMS, SCORE_MIXED_ITEMS = "score_items", "score_mixed_items"
 
 MAX_BATCH_TOKENS = 4096  # item tokens per extend step, whatever the memory would allow
 MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
@@ -347,7 +362,7 @@ class Wave:
     extend: list[ExtendStep]
 
 
-class PrefillExtendBackend(Budgeted):
+class PrefillExtendBackend(Scoring, Budgeted):
     # The jitted steps, reached through the instance: a seam for tests.
     prefill = staticmethod(prefill)
     prefill_rows = staticmethod(prefill_rows)
@@ -368,36 +383,45 @@ class PrefillExtendBackend(Budgeted):
         self.batch_invariant = options.batch_invariant
         self._empty = self._zero_prefix(MIN_TOKEN_BUCKET)
 
-    def score(self, batch: ScoreBatch) -> BackendOutput:
-        return self.score_groups([batch])[0]
+    def plan(self, batches: Sequence[ScoreBatch]) -> Plan:
+        """The call's waves (`waves`: groups whose queries' K/V are held at once); each wave's
+        steps are planned when it comes (`expand`)."""
+        return Plan(tuple(batches), self.waves(batches))
 
     def schedule(
         self,
         batches: Sequence[ScoreBatch],
         read: Callable[[np.ndarray], Reuse | None] | None = None,
     ) -> Iterator[Wave]:
-        """The waves that score these groups, each with its prefill and extend steps.
+        """The waves of `plan(batches)`, expanded (`expand`)."""
+        return self.expand(self.plan(batches), read)
+
+    def expand(
+        self, plan: Plan, read: Callable[[np.ndarray], Reuse | None] | None = None
+    ) -> Iterator[Wave]:
+        """The plan's waves, each with its prefill and extend steps.
 
         Lazy: a wave is planned when the one before it has run, so it sees what that one put in
-        the prefix cache. `read` is how the cache is consulted: `score_groups` passes
-        `cache.lookup` (which counts hits); the default, `cache.probe`, reads it without a
-        trace, for pricing (`work`), which plans every wave from the cache as it is now."""
+        the prefix cache. `read` is how the cache is consulted: `run` passes `cache.lookup`
+        (which counts hits); the default, `cache.probe`, reads it without a trace, for pricing
+        (`price`), which plans every wave from the cache as it is now."""
         read = read or self.cache.probe
-        for groups in self.waves(batches):
+        batches = plan.batches
+        for groups in plan.steps:
             wave_batches = [batches[g] for g in groups]
             queries, query_of = _distinct_queries(wave_batches)
             ready, reused, prefill = self._plan_prefill(queries, read)
             extend = self.plan_extend(wave_batches, query_of)
             yield Wave(groups, queries, query_of, ready, reused, prefill, extend)
 
-    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
-        """What each step of `schedule(batches)` does (for `selection.py`), with the prefix cache
-        as it is now. Every step's peak holds the K/V of its wave's queries. Attention is priced
+    def price(self, plan: Plan) -> list[work.StepWork]:
+        """What each step of the plan does (for `selection.py`), with the prefix cache as it is
+        now. Every step's peak holds the K/V of its wave's queries. Attention is priced
         over the keys a step reads: a lone query's key blocks up to its length (`keys_read`), a
         step of several queries their whole buffers."""
         config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
         steps = []
-        for wave in self.schedule(batches):
+        for wave in self.expand(plan):
             held = sum(self.prefix_bytes(len(q)) for q in wave.queries)
             for step in wave.prefill:
                 R, P = step.length, step.base_len
@@ -438,11 +462,12 @@ class PrefillExtendBackend(Budgeted):
                 )
         return steps
 
-    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+    def run(self, plan: Plan) -> list[BackendOutput]:
         """Score several groups: their distinct queries prefilled together (cache hits skip it),
         then their items in extend steps, where items of different queries may share a step."""
+        batches = plan.batches
         out = BackendOutput.for_groups(batches)
-        for wave in self.schedule(batches, read=self.cache.lookup):
+        for wave in self.expand(plan, read=self.cache.lookup):
             owners = [wave.groups[wave.query_of.index(q)] for q in range(len(wave.queries))]
             prefixes = self._run_prefill(wave, out, owners)
             for step in wave.extend:
@@ -464,7 +489,7 @@ class PrefillExtendBackend(Budgeted):
         labels = stack_labels([batches[g].label_ids for g in groups], items.shape[0])
         size = max(prefixes[q].k.shape[-1] for q in step_queries)
         if len(step_queries) == 1:  # the shared-prefix matmul
-            name = "score_items"
+            name = SCORE_ITEMS
             shape = (*items.shape, size, labels.shape[-1])
             logprobs = self.score_items(
                 self.model.params,
@@ -473,11 +498,11 @@ class PrefillExtendBackend(Budgeted):
                 self.model.config,
             )
         else:  # each row against its own query's K/V
-            name = "score_mixed_items"
+            name = SCORE_MIXED_ITEMS
             count = self.mixed_queries(step.size, size)
             own = [self._resized(prefixes[q], size) for q in step_queries]
             padding = [self._resized(self._empty, size)] * (count - len(own))
-            stacked = layout.put_prefix(stack(own + padding, count=count), stacked=True)
+            stacked = self.stack(own + padding, count)
             query_index = np.zeros(items.shape[0], np.int32)
             query_index[:n] = [step_queries.index(query_of[w]) for w in step.groups]
             shape = (*items.shape, count, size, labels.shape[-1])
@@ -727,7 +752,7 @@ class PrefillExtendBackend(Budgeted):
         charged = {owners[c.query]: c.stop - c.start for c in step.chunks}
         if len(chunks) == 1:  # one query: its prefix in place, as a lone request runs
             if out is not None:
-                out.step("prefill", (step.length, step.base_len, step.size), charged)
+                out.step(PREFILL, (step.length, step.base_len, step.size), charged)
             prefix = self.prefill(
                 self.model.params,
                 current[step.chunks[0].query],
@@ -739,12 +764,12 @@ class PrefillExtendBackend(Budgeted):
             return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
         counts[: len(chunks)] = list(map(len, chunks))
-        empties = stack([self._empty] * step.rows, count=step.rows)
+        empties = self.stack([self._empty] * step.rows, step.rows)
         if out is not None:
-            out.step("prefill_rows", (*tokens.shape, step.base_len, step.size), charged)
+            out.step(PREFILL_ROWS, (*tokens.shape, step.base_len, step.size), charged)
         stacked = self.prefill_rows(
             self.model.params,
-            layout.put_prefix(empties, stacked=True),
+            empties,
             layout.put_rows(tokens),
             layout.put_rows(counts),
             config=self.model.config,
@@ -808,8 +833,8 @@ class PrefillExtendBackend(Budgeted):
         )
         return per_device * self.model.layout.data
 
-    def shapes(self, limits: ShapeLimits) -> set[Shape]:
-        """Every (step, shape) this backend can compile for requests within `limits`, on its
+    def shapes(self, limits: ShapeLimits) -> set[StepShape]:
+        """Every step shape this backend can compile for requests within `limits`, on its
         budgets as they are: the shape set (docs/serving.md, "Compiled shapes").
 
         prefill (R, P_in, size): a chunk of R tokens into K/V of `size` = bucket_prefix(query)
@@ -824,25 +849,25 @@ class PrefillExtendBackend(Budgeted):
         Q, chunk, layout = limits.query_tokens, self.prefill_chunk, self.model.layout
         invariant = self.batch_invariant
         sizes = sorted({bucket_prefix(n) for n in range(Q + 1)})
-        out: set[Shape] = set()
+        out: set[StepShape] = set()
         for size in sizes:
             low, high = (1 if size == MIN_TOKEN_BUCKET else size // 2 + 1), min(Q, size)
             for n in range(low, high + 1):  # a query's first chunk, on the empty prefix
-                out.add(("prefill", (bucket_tokens(min(n, chunk)), MIN_TOKEN_BUCKET, size)))
+                out.add(StepShape(PREFILL, (bucket_tokens(min(n, chunk)), MIN_TOKEN_BUCKET, size)))
             # Later chunks of a long query; without batch invariance, any rest after a cache hit.
             longest_rest = high - chunk if invariant else high - 1
             for m in range(1, min(chunk, longest_rest) + 1):
-                out.add(("prefill", (bucket_tokens(m), size, size)))
+                out.add(StepShape(PREFILL, (bucket_tokens(m), size, size)))
             if invariant:
                 continue
             for n in range(low, min(high, chunk) + 1):
                 length = bucket_tokens(n)
                 cap = self.prefill_batch_rows(length, MIN_TOKEN_BUCKET)
                 for rows in row_buckets(2, cap, layout.data):
-                    out.add(("prefill_rows", (rows, length, MIN_TOKEN_BUCKET, size)))
-                    out.add(("stack", (rows, MIN_TOKEN_BUCKET)))
-                    out.add(("unstack", (rows, size)))
-            out.update(("resize", (other, size)) for other in sizes if other != size)
+                    out.add(StepShape(PREFILL_ROWS, (rows, length, MIN_TOKEN_BUCKET, size)))
+                    out.add(StepShape(STACK, (rows, MIN_TOKEN_BUCKET)))
+                    out.add(StepShape(UNSTACK, (rows, size)))
+            out.update(StepShape(RESIZE, (other, size)) for other in sizes if other != size)
         widths = limits.label_widths()
         for item_len in sorted({bucket_item_tokens(n) for n in range(limits.item_tokens + 1)}):
             if invariant:
@@ -850,51 +875,73 @@ class PrefillExtendBackend(Budgeted):
             else:
                 row_counts = row_buckets(1, self.batch_rows(item_len), layout.data)
             for rows, size, width in itertools.product(row_counts, sizes, widths):
-                out.add(("score_items", (rows, item_len, size, width)))
+                out.add(StepShape(SCORE_ITEMS, (rows, item_len, size, width)))
                 if not invariant and rows >= 2:
                     count = self.mixed_queries(rows, size)
-                    out.add(("score_mixed_items", (rows, item_len, count, size, width)))
-                    out.add(("stack", (count, size)))
+                    out.add(StepShape(SCORE_MIXED_ITEMS, (rows, item_len, count, size, width)))
+                    out.add(StepShape(STACK, (count, size)))
         return out
 
-    def warm(self, shape: Shape) -> None:
-        """Compile one shape of `shapes`: run its jitted function once on zeros of that shape."""
-        name, dims = shape
-        params, config, layout = self.model.params, self.model.config, self.model.layout
-        zeros = functools.partial(np.zeros, dtype=np.int32)
-        if name == "prefill":
-            length, base_len, size = dims
-            prefix = self._zero_prefix(base_len)
-            self.prefill(params, prefix, zeros((1, length)), np.int32(1), config=config, size=size)
-        elif name == "prefill_rows":
-            rows, length, base_len, size = dims
-            self.prefill_rows(
-                params,
-                layout.put_prefix(self._zero_prefix(base_len, rows), stacked=True),
-                *map(layout.put_rows, (zeros((rows, length)), zeros(rows))),
-                config=config,
-                size=size,
-            )
-        elif name == "stack":  # and placed, as the steps do
-            count, size = dims
-            layout.put_prefix(stack([self._zero_prefix(size)] * count, count=count), stacked=True)
-        elif name == "unstack":
-            rows, size = dims
-            _unstack(self._zero_prefix(size, rows), np.int32(0), size=size)
-        elif name == "resize":
-            base_len, size = dims
-            resize(self._zero_prefix(base_len), size=size)
-        elif name == "score_items":
-            rows, item_len, size, width = dims
-            inputs = (zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
-            self.score_items(params, self._zero_prefix(size), *map(layout.put_rows, inputs), config)
-        elif name == "score_mixed_items":
-            rows, item_len, count, size, width = dims
-            stacked = layout.put_prefix(self._zero_prefix(size, count), stacked=True)
-            inputs = (zeros(rows), zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
-            self.score_mixed_items(params, stacked, *map(layout.put_rows, inputs), config)
-        else:
-            raise ValueError(f"prefill_extend has no step {name!r}")
+    def stack(self, prefixes: Sequence[Prefix], count: int) -> Prefix:
+        """`count` prefixes of one size stacked (`stack`), placed as the steps take them."""
+        return self.model.layout.put_prefix(stack(prefixes, count=count), stacked=True)
+
+    @property
+    def steps(self) -> StepTable:
+        """The jitted steps and the zeros of each shape (`shapes` lists them)."""
+        return step_table(
+            Step(PREFILL, self.prefill, self._prefill_zeros),
+            Step(PREFILL_ROWS, self.prefill_rows, self._prefill_rows_zeros),
+            Step(STACK, self.stack, self._stack_zeros),
+            Step(UNSTACK, _unstack, self._unstack_zeros),
+            Step(RESIZE, resize, self._resize_zeros),
+            Step(SCORE_ITEMS, self.score_items, self._score_items_zeros),
+            Step(SCORE_MIXED_ITEMS, self.score_mixed_items, self._score_mixed_items_zeros),
+        )
+
+    def _prefill_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        length, base_len, size = shape
+        params, config = self.model.params, self.model.config
+        tokens = np.zeros((1, length), np.int32)
+        args = (params, self._zero_prefix(base_len), tokens, np.int32(1))
+        return args, {"config": config, "size": size}
+
+    def _prefill_rows_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, length, base_len, size = shape
+        layout, zeros = self.model.layout, functools.partial(np.zeros, dtype=np.int32)
+        args = (
+            self.model.params,
+            layout.put_prefix(self._zero_prefix(base_len, rows), stacked=True),
+            *map(layout.put_rows, (zeros((rows, length)), zeros(rows))),
+        )
+        return args, {"config": self.model.config, "size": size}
+
+    def _stack_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        count, size = shape
+        return ([self._zero_prefix(size)] * count, count), {}
+
+    def _unstack_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, size = shape
+        return (self._zero_prefix(size, rows), np.int32(0)), {"size": size}
+
+    def _resize_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        base_len, size = shape
+        return (self._zero_prefix(base_len),), {"size": size}
+
+    def _score_items_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, item_len, size, width = shape
+        zeros, layout = functools.partial(np.zeros, dtype=np.int32), self.model.layout
+        inputs = (zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
+        args = (self.model.params, self._zero_prefix(size), *map(layout.put_rows, inputs))
+        return (*args, self.model.config), {}
+
+    def _score_mixed_items_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, item_len, count, size, width = shape
+        zeros, layout = functools.partial(np.zeros, dtype=np.int32), self.model.layout
+        stacked = layout.put_prefix(self._zero_prefix(size, count), stacked=True)
+        inputs = (zeros(rows), zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
+        args = (self.model.params, stacked, *map(layout.put_rows, inputs))
+        return (*args, self.model.config), {}
 
     def _zero_prefix(self, size: int, count: int | None = None) -> Prefix:
         """A prefix of zeros holding `size` positions, or `count` of them stacked, placed as the
