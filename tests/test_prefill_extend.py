@@ -11,8 +11,8 @@ from hf_reference import hf_logprobs
 from tpuscore import Scorer, ValidationError
 from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend import backend as prefill_extend
-from tpuscore.backends.prefill_extend.backend import bucket_item_tokens
+from tpuscore.backends.prefill_extend import steps as prefill_extend
+from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
 from tpuscore.models import decoder
 
 ATOL = 1e-4  # float32

@@ -5,7 +5,8 @@ import pytest
 from contract_fakes import FakeBackend
 
 from tpuscore.backends.contract import ShapeLimits, StepShape, StepStats, warm
-from tpuscore.backends.packed.backend import SCORE_PACKED, PackedBackend
+from tpuscore.backends.packed.backend import PackedBackend
+from tpuscore.backends.packed.steps import SCORE_PACKED
 from tpuscore.backends.prefill_extend.backend import PrefillExtendBackend
 from tpuscore.backends.serial import SCORE_SEQUENCES, SerialBackend
 
