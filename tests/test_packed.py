@@ -170,7 +170,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     # padded past its tokens' bucket, so that its item slots hold them: `shapes()` says so).
     limits = {"query_tokens": 99, "item_tokens": 19, "labels": 6}
     lattice = {(s.step, s.shape) for s in scorer.shapes(limits, backends=[backend])}
-    assert set(shapes) <= lattice
+    assert {(s.step, s.shape) for s in shapes} <= lattice
     for rows, *_ in distinct:
         assert rows == 1  # one request at a time, each one chunk: one packed row per step
     print(f"{len(distinct)} shapes from {len(requests)} requests; {len(lattice)} in the lattice")

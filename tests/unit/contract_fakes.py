@@ -43,6 +43,9 @@ class FakeBackend(Budgeted):
         self.calls["price"] += 1
         return [StepWork(self.flops, 0.0, 0.0, self.peak) for _ in plan.steps]
 
+    def replan(self, plan):
+        return self.plan(plan.batches)
+
     def run(self, plan):
         self.calls["run"] += 1
         out = []

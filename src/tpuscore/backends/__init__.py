@@ -30,7 +30,7 @@ from tpuscore.backends.serial import SerialBackend, SerialOptions
 # packed_* cannot be batch-invariant: an item's neighbours in a packed row change its sums.
 # Registration order is auto's order of candidates (and so breaks its ties).
 # The fixed rule: prefill_extend when the query comes first, serial for items first; serial is
-# also auto's fallback.
+# also auto's fallback. prefill_extend runs loglikelihood (a context prefilled once).
 register(
     "prefill_extend",
     PrefillExtendBackend,
@@ -39,6 +39,7 @@ register(
     auto=True,
     batch_invariant=True,
     fixed_rule={False},
+    loglikelihood=True,
 )
 register(
     "packed_segment",

@@ -1,10 +1,11 @@
 """What backends share beside their protocol: scoring without an explicit plan, and the base for
 a backend that scores one group at a time.
 
-`Scoring` derives `score`, `score_groups` and `work` from a backend's `plan`, `run` and `price`
-(for callers and tests that hold batches, not a plan). `PerGroupBackend` is the base of a backend
-written as `score(batch)` alone (the reference, or a user's): its plan is the groups themselves,
-run one `score` call each, with no compiled steps, no priced work and no budget to shrink.
+`Scoring` derives `score`, `score_groups`, `work` and `replan` from a backend's `plan`, `run`
+and `price` (for callers and tests that hold batches, not a plan). `PerGroupBackend` is the base
+of a backend written as `score(batch)` alone (the reference, or a user's): its plan is the groups
+themselves, run one `score` call each, with no compiled steps, no priced work and no budget to
+shrink.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Scoring:
 
     def price(self, plan: Plan) -> list[StepWork]:
         raise NotImplementedError
+
+    def replan(self, plan: Plan) -> Plan:
+        """The plan's groups planned again (at the budget as it is now)."""
+        return self.plan(plan.batches)
 
     def score(self, batch: ScoreBatch) -> BackendOutput:
         """One group planned and run."""

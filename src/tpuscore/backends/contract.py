@@ -158,6 +158,15 @@ def warm(table: StepTable, shape: StepShape) -> None:
 
 
 @attrs.frozen(eq=False)
+class ContinuationScores:
+    """One continuation's scores from a loglikelihood plan: each token's log-probability
+    (read-only float32 [tokens]) and whether every token is the model's argmax."""
+
+    token_logprobs: np.ndarray
+    is_greedy: bool
+
+
+@attrs.frozen(eq=False)
 class Plan:
     """What a backend will run for one call: the groups it scores (`batches`) and `steps` in the
     backend's own step types: a list, or where a step depends on the result of one before it
@@ -210,6 +219,10 @@ class Backend(Protocol):
         """Run the plan: one output per batch, in order."""
         ...
 
+    def replan(self, plan: Plan) -> Plan:
+        """The same work planned again at the current budget (the memory guard's retry)."""
+        ...
+
     def shapes(self, limits: ShapeLimits) -> set[StepShape]:
         """Every step shape it can compile for requests within `limits` (none: no compiled
         steps)."""
@@ -228,6 +241,15 @@ PROTOCOL = (
     "run",
     "shapes",
 )
+
+
+class LoglikelihoodBackend(Backend, Protocol):
+    """A backend with loglikelihood plans (`Capabilities.loglikelihood`): `run` of such a plan
+    returns one `ContinuationScores` per continuation."""
+
+    def plan_loglikelihood(
+        self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+    ) -> Plan: ...
 
 
 def missing_members(backend: type | object) -> list[str]:

@@ -41,7 +41,8 @@ class Capabilities:
     its call; if its options class has a `batch_invariant` field, the pool sets it in that mode.
     fixed_rule: the item_first values for which `planning.FixedRule` (auto's rule in
     batch-invariant mode) picks it. fallback: auto's pick where no candidate fits its budget,
-    and for item_first requests."""
+    and for item_first requests. loglikelihood: it has loglikelihood plans
+    (`contract.LoglikelihoodBackend`), which `Scorer.loglikelihood` runs."""
 
     item_first: bool = True
     compiled_on: frozenset[str] = PLATFORMS
@@ -49,6 +50,7 @@ class Capabilities:
     batch_invariant: bool = False
     fixed_rule: frozenset[bool] = frozenset()
     fallback: bool = False
+    loglikelihood: bool = False
 
     def compiled(self, platform: str) -> bool:
         return platform in self.compiled_on
@@ -76,6 +78,7 @@ def register(
     batch_invariant: bool = False,
     fixed_rule: frozenset[bool] | set[bool] = frozenset(),
     fallback: bool = False,
+    loglikelihood: bool = False,
 ) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it.
 
@@ -94,7 +97,8 @@ def register(
             `peak_budget`, which `engine/selection.py` compares with the other candidates'.
         batch_invariant: whether it can run in batch-invariant mode (`Capabilities`); if not,
             a scorer in that mode refuses it (`ValidationError`, "batch_invariant_unsupported").
-        fixed_rule, fallback: `Capabilities`' (the built-in backends' roles in auto's rules).
+        fixed_rule, fallback, loglikelihood: `Capabilities`' (the built-in backends' roles in
+            auto's rules, and the one that runs `Scorer.loglikelihood`).
 
     Raises:
         ValueError: a bad name, options class or platform. TypeError: a factory that is not
@@ -119,6 +123,7 @@ def register(
         bool(batch_invariant),
         frozenset(bool(x) for x in fixed_rule),
         bool(fallback),
+        bool(loglikelihood),
     )
     _REGISTRY[name] = Registration(name, factory, options, capabilities)
 
@@ -143,6 +148,11 @@ def fixed_rule(item_first: bool) -> str:
 def fallback() -> str:
     """auto's pick where nothing fits, and for item_first requests."""
     return next(n for n, r in _REGISTRY.items() if r.capabilities.fallback)
+
+
+def loglikelihood_backend() -> str:
+    """The backend that runs `Scorer.loglikelihood` (`Capabilities.loglikelihood`)."""
+    return next(n for n, r in _REGISTRY.items() if r.capabilities.loglikelihood)
 
 
 def available() -> list[str]:

@@ -13,10 +13,11 @@ steps) re-raises the error.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import jax
 
-from tpuscore.backends.contract import Backend, BackendOutput, Plan
+from tpuscore.backends.contract import Backend, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,12 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
-def run(name: str, backend: Backend, plan: Plan) -> list[BackendOutput]:
+def run(name: str, backend: Backend, plan: Plan) -> list[Any]:
     """`backend.run(plan)`, on RESOURCE_EXHAUSTED re-planned with the backend's steps shrunk and
-    run again (module doc); one output per batch."""
+    run again (module doc)."""
     while True:
         try:
-            outputs = list(backend.run(plan))
+            return list(backend.run(plan))
         except Exception as error:
             smaller = _shrink(backend, plan) if is_out_of_memory(error) else None
             if smaller is None:
@@ -42,12 +43,6 @@ def run(name: str, backend: Backend, plan: Plan) -> list[BackendOutput]:
                 "%s ran out of device memory (%s); retrying with its steps sized to 1/%g of its "
                 "budget", name, str(error).splitlines()[0], backend.safety,
             )  # fmt: skip
-            continue
-        if len(outputs) != len(plan.batches):
-            raise RuntimeError(
-                f"backend {name!r} returned {len(outputs)} outputs for {len(plan.batches)} batches"
-            )
-        return outputs
 
 
 def _shrink(backend: Backend, plan: Plan) -> Plan | None:
@@ -56,7 +51,7 @@ def _shrink(backend: Backend, plan: Plan) -> Plan | None:
     steps = len(backend.price(plan))
     for _ in range(MAX_HALVINGS):
         backend.grow_safety()
-        smaller = backend.plan(plan.batches)
+        smaller = backend.replan(plan)
         if len(backend.price(smaller)) > steps:
             return smaller
     return None

@@ -17,10 +17,10 @@ import tokenizers
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.requests import LoglikelihoodRequest, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
-from tpuscore.backends.contract import ShapeLimits
+from tpuscore.backends.contract import ContinuationScores, LoglikelihoodBackend, ShapeLimits
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import executables, memory_guard, planning, progress, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
@@ -137,6 +137,11 @@ class Engine:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
         for call in calls:
             outputs = memory_guard.run(call.backend, self.backends.get(call.backend), call.plan)
+            if len(outputs) != len(call.groups):
+                raise RuntimeError(
+                    f"backend {call.backend!r} returned {len(outputs)} outputs for "
+                    f"{len(call.groups)} groups"
+                )
             for group, output in zip(call.groups, outputs, strict=True):
                 split = planning.split(output, group, requests, call.backend)
                 for i, result in zip(group.members, split, strict=True):
@@ -167,6 +172,16 @@ class Engine:
             pick = planning.picked(self.selector.select(batches, self.backends))
             plan = attrs.evolve(plan, pick=pick)
         return plan
+
+    def loglikelihood(self, request: LoglikelihoodRequest) -> list[ContinuationScores]:
+        """Each continuation's token log-probabilities after the context, on the backend with
+        loglikelihood plans (`Capabilities.loglikelihood`), under the memory guard."""
+        name = registry.loglikelihood_backend()
+        backend: LoglikelihoodBackend = self.backends.get(name)
+        plan = backend.plan_loglikelihood(request.context, request.continuations)
+        scores = memory_guard.run(name, backend, plan)
+        executables.guard().check()
+        return scores
 
     def warmup(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -29,21 +29,21 @@ import numpy as np
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
-from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix, pow2_floor
+from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
+    ContinuationScores,
     GroupsOutputBuilder,
     Plan,
     stack_labels,
 )
 from tpuscore.backends.prefill_extend import memory, steps
+from tpuscore.backends.prefill_extend.loglikelihood import Loglikelihood, LoglikelihoodPlan
 from tpuscore.backends.prefill_extend.plan import (
-    MAX_BATCH_TOKENS,
     Planning,
     PrefillStep,
     Wave,
-    bucket_item_tokens,
 )
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
 from tpuscore.backends.prefill_extend.shapes import StepShapes
@@ -99,15 +99,17 @@ class PrefillExtendOptions:
                 check_int(name, getattr(self, name), minimum=minimum)
 
 
-class PrefillExtendBackend(Planning, StepShapes, Scoring, Budgeted):
+class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgeted):
     """prefill_extend (module doc): planning in `Planning` (plan.py), the step table and shape
-    set in `StepShapes` (shapes.py), running and pricing here."""
+    set in `StepShapes` (shapes.py), loglikelihood plans in `Loglikelihood`
+    (loglikelihood.py), running and pricing here."""
 
     # The jitted steps, reached through the instance: a seam for tests.
     prefill = staticmethod(steps.prefill)
     prefill_rows = staticmethod(steps.prefill_rows)
     score_items = staticmethod(steps.score_items)
     score_mixed_items = staticmethod(steps.score_mixed_items)
+    continuation_logprobs = staticmethod(steps.continuation_logprobs)
 
     def __init__(self, model: Model, options: PrefillExtendOptions):
         self.model = model
@@ -129,6 +131,21 @@ class PrefillExtendBackend(Planning, StepShapes, Scoring, Budgeted):
         return self.budget + self.held_budget
 
     def price(self, plan: Plan) -> list[work.StepWork]:
+        if isinstance(plan, LoglikelihoodPlan):
+            return self.price_loglikelihood(plan)
+        return self.price_scores(plan)
+
+    def run(self, plan: Plan) -> list[BackendOutput] | list[ContinuationScores]:
+        if isinstance(plan, LoglikelihoodPlan):
+            return self.run_loglikelihood(plan)
+        return self.run_scores(plan)
+
+    def replan(self, plan: Plan) -> Plan:
+        if isinstance(plan, LoglikelihoodPlan):
+            return self.plan_loglikelihood(plan.context, plan.continuations)
+        return self.plan(plan.batches)
+
+    def price_scores(self, plan: Plan) -> list[work.StepWork]:
         """What each step of the plan does (for `selection.py`), with the prefix cache as it is
         now. Every step's peak holds the K/V of its wave's queries. Attention is priced
         over the keys a step reads: a lone query's key blocks up to its length (`keys_read`), a
@@ -176,7 +193,7 @@ class PrefillExtendBackend(Planning, StepShapes, Scoring, Budgeted):
                 )
         return steps
 
-    def run(self, plan: Plan) -> list[BackendOutput]:
+    def run_scores(self, plan: Plan) -> list[BackendOutput]:
         """Score several groups: their distinct queries prefilled together (cache hits skip it),
         then their items in extend steps, where items of different queries may share a step."""
         batches = plan.batches
@@ -304,32 +321,3 @@ class PrefillExtendBackend(Planning, StepShapes, Scoring, Budgeted):
         for g in tokens:
             (where,) = np.nonzero(groups == g)
             out.scores(g, step.rows[where], logprobs, index=where)
-
-    def query_prefix(self, query: np.ndarray) -> Prefix:
-        """One query's K/V, from the cache or prefilled, with no output to count steps in (for
-        other workloads on this machinery, such as `tasks.loglikelihood`)."""
-        ready, reused, steps = self._plan_prefill([query], self.cache.lookup)
-        wave = Wave([0], [query], [0], ready, reused, steps, [])
-        return self._run_prefill(wave, None, [0])[0]
-
-    def continuation_batches(self, lens: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
-        """Steps of continuations of one query, each read at every position over the whole
-        vocabulary (`tasks.loglikelihood`): (indices into lens, padded length) per step.
-
-        Continuations are taken shortest first, so similar lengths share a step; rows per step:
-        a power of two within the extend estimate and within the activation budget for the
-        float32 [rows, length, vocab] log-probabilities (held about three times: logits,
-        log-softmax, the gather)."""
-        order = np.argsort(lens, kind="stable")
-        sorted_lens, config = lens[order], self.model.config
-        start, n = 0, len(sorted_lens)
-        while start < n:
-            length = bucket_item_tokens(int(sorted_lens[-1]))
-            extend = memory.extend_batch_rows(
-                config, length, self.activation_bytes, MAX_BATCH_TOKENS
-            )
-            vocab = pow2_floor(self.activation_bytes // (3 * 4 * length * config.vocab_size))
-            count = min(n - start, extend, vocab)
-            length = bucket_item_tokens(int(sorted_lens[start + count - 1]))
-            yield order[start : start + count], length
-            start += count

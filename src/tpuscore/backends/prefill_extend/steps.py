@@ -30,6 +30,7 @@ PREFILL, PREFILL_ROWS, STACK, UNSTACK, RESIZE = (
     "resize",
 )
 SCORE_ITEMS, SCORE_MIXED_ITEMS = "score_items", "score_mixed_items"
+CONTINUATION_LOGPROBS = "continuation_logprobs"  # the loglikelihood plans' extend step
 
 # A step meets its query's K/V in key blocks and skips those past the query's length (`key_blocks`).
 MAX_KEY_BLOCKS = 8
@@ -211,3 +212,25 @@ def resize(prefix: Prefix, size: int) -> Prefix:
 # `decoder.stack_prefixes` jitted: `count` prefixes of one size, stacked. Eagerly, its jnp ops
 # would compile once per shape outside the shape set.
 stack = jax.jit(decoder.stack_prefixes, static_argnames="count")
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def continuation_logprobs(
+    params: Params, prefix: Prefix, tokens: jax.Array, config: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities [B, L] of tokens [B, L] (rows right-padded continuations of `prefix`),
+    each given the prefix and the row's tokens before it, and whether each is the argmax [B, L].
+
+    Token j is predicted by the hidden state before it: the prefix's last token for j = 0, the
+    row's token j - 1 after. Positions past a row's length hold padding: the caller drops them
+    (causal attention keeps padding from reaching real tokens)."""
+    B, L = tokens.shape
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
+    hidden, _ = decoder.extend(params, config, prefix, tokens, causal)  # [B, L, D]
+    first = jnp.broadcast_to(prefix.last_hidden, (B, 1, hidden.shape[-1]))
+    before = jnp.concatenate([first, hidden[:, :-1]], axis=1)  # [B, L, D]
+    vocab = jnp.arange(config.vocab_size)
+    logprobs = decoder.label_logprobs(params, config, before.reshape(B * L, -1), vocab)
+    logprobs = logprobs.reshape(B, L, -1)  # [B, L, V]
+    picked = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logprobs, axis=-1) == tokens
