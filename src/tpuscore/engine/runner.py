@@ -60,7 +60,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.batch_invariant = bool(batch_invariant)
         self.default_backend = self.checked_backend(backend)
-        self.cost_model = selection.CostModel(profile)
+        self.cost_model = selection.CostModel(profile, model.platform)
         default_selector = planning.FixedRule() if self.batch_invariant else self.cost_model
         self.selector = selector or default_selector
         self.backends = BackendPool(model, backend_options, self.batch_invariant)
@@ -214,7 +214,8 @@ class Engine:
         every backend it may pick) for requests within `limits` (`shapes.limits_for`)."""
         names = []
         for backend in backends or [self.default_backend]:
-            for name in shapes.backends_for(self.checked_backend(backend), self.selector):
+            checked = self.checked_backend(backend)
+            for name in shapes.backends_for(checked, self.selector, self.model.platform):
                 if name not in names:
                     names.append(name)
         return shapes.shape_set(self.backends, names, shapes.limits_for(self.config, limits))

@@ -65,14 +65,13 @@ def limits_for(config: ModelConfig, limits: Limits | None) -> ShapeLimits:
     return ShapeLimits(**values)
 
 
-def backends_for(name: str, selector: planning.Selector) -> list[str]:
+def backends_for(name: str, selector: planning.Selector, platform: str) -> list[str]:
     """The backends a call on `name` may run: itself, or for "auto" what the selector may pick
     (`FixedRule`: prefill_extend and serial; otherwise every candidate compiled here)."""
     if name != registry.AUTO:
         return [name]
     if isinstance(selector, planning.FixedRule):
         return [registry.fixed_rule(False), registry.fixed_rule(True)]
-    platform = jax.default_backend()
     return [
         n for n in registry.candidates() if registry.registration(n).capabilities.compiled(platform)
     ]

@@ -29,10 +29,8 @@ from tpuscore.engine import executables, memory_guard, planning
 logger = logging.getLogger(__name__)
 
 # A typical ranking service: user contexts of 64 to 1024 tokens, pages of 10 to 100 candidates of
-# about 16 tokens. A sample: the whole of 32-2048 query tokens x 1-100 items x 8-64 item tokens is
-# 952 step shapes of the default model (prefill_extend's extend shape includes the query bucket);
-# these six are 10 shapes, warmed in 56 s on a 2-core CPU (docs/benchmarks.md). Other geometries
-# compile on first use (or warm them by name).
+# about 16 tokens. A sample of a few shapes, not the whole range's shape set (docs/benchmarks.md,
+# "Default warmup geometries"); other geometries compile on first use (or warm them by name).
 DEFAULT_GEOMETRIES = tuple((q, n, 16) for q in (64, 256, 1024) for n in (10, 100))
 
 

@@ -180,7 +180,7 @@ class PackedSegmentBackend(PackedBackend):
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)
         self.block_sizes = options.block_sizes
-        if self.block_sizes is None and jax.default_backend() == "gpu":
+        if self.block_sizes is None and model.platform == "gpu":
             kind = jax.devices()[0].device_kind
             self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
         elif self.block_sizes is None:

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from tpuscore.api.errors import check_int
@@ -120,7 +119,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
         self.prefill_chunk = options.prefill_chunk or 512
         split = options.split_padding_tokens
         if split is None:
-            split = CPU_SPLIT_PADDING_TOKENS if jax.default_backend() == "cpu" else 0
+            split = CPU_SPLIT_PADDING_TOKENS if model.platform == "cpu" else 0
         self.split_padding_tokens = split
         self.batch_invariant = options.batch_invariant
         self._empty = self._zero_prefix(MIN_TOKEN_BUCKET)
@@ -151,12 +150,14 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
         over the keys a step reads: a lone query's key blocks up to its length (`keys_read`), a
         step of several queries their whole buffers."""
         config, layout, itemsize = self.model.config, self.model.layout, self.model.dtype.itemsize
-        steps = []
+        platform, steps = self.model.platform, []
         for wave in self.expand(plan):
             held = sum(self.prefix_bytes(len(q)) for q in wave.queries)
             for step in wave.prefill:
                 R, P = step.length, step.base_len
-                read = P if step.rows > 1 else keys_read(P, step.chunks[0].start, R)
+                read = (
+                    P if step.rows > 1 else keys_read(P, step.chunks[0].start, R, platform=platform)
+                )
                 peak = -(-step.rows // layout.data) * memory.prefill_row_bytes(config, R, P)
                 steps.append(
                     work.step_work(
@@ -176,7 +177,9 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
                 longest = max(len(wave.queries[q]) for q in step_queries)
                 P = bucket_prefix(longest)
                 row_prefix = 0 if len(step_queries) == 1 else P  # else one shared prefix
-                read = P if row_prefix else keys_read(P, longest)  # a lone query's key blocks
+                read = (
+                    P if row_prefix else keys_read(P, longest, platform=platform)
+                )  # a lone query's key blocks
                 peak = rows // layout.data * memory.extend_row_bytes(config, L, row_prefix)
                 steps.append(
                     work.step_work(
@@ -254,6 +257,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
                 np.int32(len(chunks[0])),
                 config=self.model.config,
                 size=step.size,
+                platform=self.model.platform,
             )
             return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
@@ -298,6 +302,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
                 prefixes[step_queries[0]],
                 *map(layout.put_rows, (items, item_lens, labels)),
                 self.model.config,
+                platform=self.model.platform,
             )
         else:  # each row against its own query's K/V
             name = SCORE_MIXED_ITEMS

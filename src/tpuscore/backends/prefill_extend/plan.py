@@ -284,7 +284,7 @@ class Planning:
         a batch holds at most cap distinct queries. One query's batches are split rather than
         padded (`unpadded_rows`); mixed-query batches are not: each of their shapes stacks
         prefixes and compiles dearly, and splitting them doubled the compiles of many-query
-        streams (a test scoring table rows went from 5 to 10 s)."""
+        streams (docs/benchmarks.md, "Splitting mixed-query steps")."""
         start, n = 0, len(sorted_lens)
         while start < n:
             count = n - start

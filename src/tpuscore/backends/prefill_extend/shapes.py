@@ -109,7 +109,7 @@ class StepShapes:
         params, config = self.model.params, self.model.config
         tokens = np.zeros((1, length), np.int32)
         args = (params, self._zero_prefix(base_len), tokens, np.int32(1))
-        return args, {"config": config, "size": size}
+        return args, {"config": config, "size": size, "platform": self.model.platform}
 
     def _prefill_rows_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, length, base_len, size = shape
@@ -138,7 +138,7 @@ class StepShapes:
         zeros, layout = functools.partial(np.zeros, dtype=np.int32), self.model.layout
         inputs = (zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
         args = (self.model.params, self._zero_prefix(size), *map(layout.put_rows, inputs))
-        return (*args, self.model.config), {}
+        return (*args, self.model.config), {"platform": self.model.platform}
 
     def _score_mixed_items_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, item_len, count, size, width = shape

@@ -37,15 +37,16 @@ MAX_KEY_BLOCKS = 8
 KEY_BLOCK_TOKENS = 256  # an extend step's narrowest key block
 
 
-def key_blocks(size: int, width: int | None = None) -> int:
+def key_blocks(size: int, width: int | None = None, *, platform: str | None = None) -> int:
     """Key blocks a step meets its query's K/V buffer of `size` positions in (a power of two, so
     they divide it): blocks at least `width` wide (a prefill chunk's own length; default
     KEY_BLOCK_TOKENS), at most MAX_KEY_BLOCKS. The blocks past the query's length are skipped
     (`decoder.extend`'s prefix_blocks): the padding `bucket_prefix` adds is not computed, nor, in
     a long query's prefill, the chunks not run yet. On CPU only: on a GPU, XLA runs a loop of
     dynamic trip count by reading its condition back to the host every block (not measured
-    there), so accelerators keep one block."""
-    if jax.default_backend() != "cpu":
+    there), so accelerators keep one block. platform: where the step runs (the model's; None:
+    this process's default)."""
+    if (platform or jax.default_backend()) != "cpu":
         return 1
     return max(1, min(size // bucket_count(width or KEY_BLOCK_TOKENS), MAX_KEY_BLOCKS))
 
@@ -57,11 +58,13 @@ def prefix_kernel() -> decoder.PrefixKernel | None:
     return cpu_attention.prefix_attention if cpu_attention.available() else None
 
 
-def keys_read(size: int, length: int, width: int | None = None) -> int:
+def keys_read(
+    size: int, length: int, width: int | None = None, *, platform: str | None = None
+) -> int:
     """Positions of a K/V buffer of `size` that a step meeting it in `key_blocks(size, width)`
     reads when it holds `length` keys: the blocks up to the one holding the last (all of one
     block, which runs without the loop)."""
-    blocks = key_blocks(size, width)
+    blocks = key_blocks(size, width, platform=platform)
     block = size // blocks
     return size if blocks == 1 else min(size, -(-length // block) * block)
 
@@ -76,7 +79,7 @@ def _append(cached: jax.Array, new: jax.Array, at: jax.Array, size: int, axis: i
     return jax.lax.slice_in_dim(out, 0, size, axis=axis)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "size"))
+@functools.partial(jax.jit, static_argnames=("config", "size", "platform"))
 def prefill(
     params: Params,
     prefix: Prefix,
@@ -84,13 +87,16 @@ def prefill(
     count: jax.Array,
     config: ModelConfig,
     size: int,
+    platform: str | None = None,
 ) -> Prefix:
-    """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions."""
+    """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions.
+    platform: where it runs (`key_blocks`)."""
     R = tokens.shape[1]
     causal = jnp.tril(jnp.ones((1, R, R), bool))
     hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
-        prefix_blocks=key_blocks(prefix.k.shape[-1], R), prefix_kernel=prefix_kernel(),
+        prefix_blocks=key_blocks(prefix.k.shape[-1], R, platform=platform),
+        prefix_kernel=prefix_kernel(),
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -129,7 +135,7 @@ def prefill_rows(
     )
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jax.jit, static_argnames=("config", "platform"))
 def score_items(
     params: Params,
     prefix: Prefix,
@@ -137,6 +143,7 @@ def score_items(
     item_lens: jax.Array,
     label_ids: jax.Array,
     config: ModelConfig,
+    platform: str | None = None,
 ) -> jax.Array:
     """Label logprobs [B, C] after prefix + each row of items [B, L] (right-padded); label_ids
     [C] for every row, or [B, C] per row.
@@ -145,7 +152,7 @@ def score_items(
     """
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    blocks = key_blocks(prefix.k.shape[-1])
+    blocks = key_blocks(prefix.k.shape[-1], platform=platform)
     hidden, _ = decoder.extend(
         params, config, prefix, items, causal, prefix_blocks=blocks, prefix_kernel=prefix_kernel()
     )
