@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore import Scorer
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.buckets import bucket_prefix
+from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.engine import compilation_cache
 from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
@@ -95,7 +96,7 @@ def main() -> None:
         }
 
     for n in map(int, args.query_tokens.split(",")):
-        P = prefill_extend.bucket_prefix(n)
+        P = bucket_prefix(n)
         k = jnp.asarray(rng.standard_normal((K, H, P)), jnp.float32)
         v = jnp.asarray(rng.standard_normal((K, P, H)), jnp.float32)
         attend = {name: attention(name == "kernel", P) for name in variants}

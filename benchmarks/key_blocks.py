@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from tpuscore import Scorer
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.engine import compilation_cache
 
 

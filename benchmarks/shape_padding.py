@@ -104,6 +104,8 @@ def time_sample(scorer, n: int, seed: int) -> None:
 
     import jax
 
+    from tpuscore.backends import contract
+
     limits = {"query_tokens": 512, "item_tokens": 32, "labels": 2}
     rng = random.Random(seed)
     for backend in ("packed_dense", "prefill_extend", "serial"):
@@ -111,7 +113,7 @@ def time_sample(scorer, n: int, seed: int) -> None:
         seconds = []
         for shape in rng.sample(own, min(n, len(own))):
             start = time.perf_counter()
-            scorer.get_backend(backend).warm((shape.step, shape.shape))
+            contract.warm(scorer.get_backend(backend).steps, shape)
             jax.effects_barrier()
             seconds.append(time.perf_counter() - start)
             print(f"  {backend} {shape.step} {shape.shape}: {seconds[-1]:.1f} s")

@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from tpuscore.backends import BackendOutput, StepStats
+from tpuscore.backends import BackendOutput, PerGroupBackend, StepStats
 from tpuscore.engine.executables import COMPILE_EVENT  # one name for the event
 from tpuscore.models.config import ModelConfig
 
@@ -81,7 +81,7 @@ def fresh(scorer):
     return shared
 
 
-class SpyBackend:
+class SpyBackend(PerGroupBackend):
     """A backend that counts its calls and scores zeros: what reaches a backend, and when."""
 
     calls = 0

@@ -238,7 +238,7 @@ def test_sharded_segment_kernel_lowers_for_tpu_and_cuda(platform):
     Triton (CUDA) kernel in it. Lowering only: not compiled, not run (no such devices here)."""
     from jax._src.pallas.mosaic import tpu_info
 
-    from tpuscore.backends.packed.backend import score_packed
+    from tpuscore.backends.packed.steps import score_packed
     from tpuscore.kernels.segment.gpu import GpuBlockSizes
     from tpuscore.kernels.segment.tpu import BlockSizes
     from tpuscore.parallel.sharding import make_layout

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tpuscore import Batcher, Scorer, ValidationError
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend.backend import score_items
+from tpuscore.backends.prefill_extend.steps import score_items
 from tpuscore.backends.serial import score_sequences
 
 CASE = "qwen3_qknorm"

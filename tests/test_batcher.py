@@ -156,7 +156,7 @@ def test_close_finishes_what_was_accepted_then_refuses(scorer, rng):
     assert scoped.closed
 
 
-class Failing:
+class Failing(backends.PerGroupBackend):
     """A backend whose every step fails."""
 
     def __init__(self, model, options):

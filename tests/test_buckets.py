@@ -44,7 +44,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng):
     for query, items, labels in requests:
         shapes += runner.score(make_batch(query, items, labels, False)).stats.shapes
     first_pass = len(compiles)
-    distinct = {shape for _, shape in shapes}
+    distinct = {s.shape for s in shapes}
     # Each distinct bucket shape compiles once, however many requests hit it ...
     assert first_pass == len(distinct)
     # ... and every shape is a bucket, so the count has a bound that no request stream can pass.

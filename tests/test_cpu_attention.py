@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import run_seed
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
 

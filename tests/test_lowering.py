@@ -15,8 +15,8 @@ import pytest
 
 from helpers import GEMMA2_2B, QWEN3_0_6B, SMOLLM2_135M
 from tpuscore.backends import serial
-from tpuscore.backends.packed import backend as packed
-from tpuscore.backends.prefill_extend import backend as prefill_extend
+from tpuscore.backends.packed import steps as packed
+from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models.config import ModelConfig

@@ -128,3 +128,29 @@ def test_a_large_request_holds_host_memory_of_a_batch_not_of_every_item(checkpoi
     )
     growth = float(out.stdout.split()[-1])
     assert growth < 150, f"peak resident memory grew by {growth:.0f} MiB"
+
+
+def test_an_out_of_memory_loglikelihood_step_is_retried_smaller(scorers, rng, caplog):
+    """loglikelihood runs through the engine, so the memory guard retries it too."""
+    scorer = fresh(scorers("llama_gqa_untied"))
+    vocab = scorer.config.vocab_size
+    context = random_tokens(rng, 30, vocab)
+    continuations = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 9, size=12)]
+    expected = scorer.loglikelihood(context, continuations)
+    runner, calls = scorer.get_backend("prefill_extend"), []
+    step = runner.continuation_logprobs
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return step(*args, **kwargs)
+
+    runner.continuation_logprobs = failing
+    with caplog.at_level(logging.WARNING, logger="tpuscore.engine.memory_guard"):
+        got = scorer.loglikelihood(context, continuations)
+    assert len(calls) > 1 and runner.safety > 1
+    assert "ran out of device memory" in caplog.text
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g.token_logprobs, e.token_logprobs, atol=ATOL, rtol=0)
+        assert g.num_tokens == e.num_tokens

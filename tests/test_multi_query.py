@@ -19,8 +19,8 @@ from tpuscore import Scorer, backends
 from tpuscore.backends import BackendOutput
 from tpuscore.backends.buckets import bucket_count, bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.packed.backend import SLOT_TOKENS
 from tpuscore.backends.packed.memory import packed_step_bytes
+from tpuscore.backends.packed.plan import SLOT_TOKENS
 from tpuscore.backends.prefill_extend.memory import prefill_row_bytes
 from tpuscore.backends.reference import last_token_logprobs
 
@@ -179,7 +179,7 @@ def test_groups_with_one_query_and_other_labels(scorers, rng, backend):
     assert max(out.stats.steps for out in outputs) <= 2  # at most a prefill and one extend
 
 
-class OneGroupAtATime:
+class OneGroupAtATime(backends.PerGroupBackend):
     """A user backend with only `score(batch)`: the reference's scores, one group per call."""
 
     def __init__(self, model, options):

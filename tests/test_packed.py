@@ -103,7 +103,7 @@ def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend):
     np.testing.assert_allclose(got.logprobs, serial, atol=ATOL, rtol=0)
     stats = scorer.get_backend(backend).score(make_batch(query, items, [1, 2], False)).stats
     assert stats.chunks == stats.steps > 1
-    assert all(length <= 256 for _, (_, length, _, _) in stats.shapes)
+    assert all(s.shape[1] <= 256 for s in stats.shapes)
     assert got.num_tokens == stats.tokens == stats.chunks * len(query) + sum(map(len, items))
 
 
@@ -164,13 +164,13 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     for query, items, labels in requests:
         shapes += runner.score(make_batch(query, items, labels, False)).stats.shapes
     first_pass = len(compiles)
-    distinct = {shape for _, shape in shapes}
+    distinct = {s.shape for s in shapes}
     assert first_pass == len(distinct)  # each bucket shape compiles once
     # Every step is on the backend's lattice for these limits (a row of many short items may be
     # padded past its tokens' bucket, so that its item slots hold them: `shapes()` says so).
     limits = {"query_tokens": 99, "item_tokens": 19, "labels": 6}
     lattice = {(s.step, s.shape) for s in scorer.shapes(limits, backends=[backend])}
-    assert set(shapes) <= lattice
+    assert {(s.step, s.shape) for s in shapes} <= lattice
     for rows, *_ in distinct:
         assert rows == 1  # one request at a time, each one chunk: one packed row per step
     print(f"{len(distinct)} shapes from {len(requests)} requests; {len(lattice)} in the lattice")

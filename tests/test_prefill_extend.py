@@ -11,8 +11,8 @@ from hf_reference import hf_logprobs
 from tpuscore import Scorer, ValidationError
 from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
-from tpuscore.backends.prefill_extend import backend as prefill_extend
-from tpuscore.backends.prefill_extend.backend import bucket_item_tokens
+from tpuscore.backends.prefill_extend import steps as prefill_extend
+from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
 from tpuscore.models import decoder
 
 ATOL = 1e-4  # float32
@@ -74,7 +74,7 @@ def test_a_query_longer_than_one_prefill_chunk(scorers, rng):
     serial = scorer.score(query, items, [3, 4], backend="serial")
     batch = make_batch(query, items, [3, 4], item_first=False)
     stats = scorer.get_backend("prefill_extend").score(batch).stats
-    assert [name for name, _ in stats.shapes].count("prefill") == 3
+    assert [s.step for s in stats.shapes].count("prefill") == 3
     fast = scorer.score(query, items, [3, 4], backend="prefill_extend")
     np.testing.assert_allclose(fast.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
@@ -224,7 +224,7 @@ def test_a_partly_filled_step_runs_as_power_of_two_steps_rather_than_padding(sco
         scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
         out = scorer.get_backend("prefill_extend").score(batch)
         shapes = out.stats.shapes
-        assert [shape[0] for name, shape in shapes if name == "score_items"] == rows, split
+        assert [s.shape[0] for s in shapes if s.step == "score_items"] == rows, split
         got = out.logprobs[: len(items), :2]  # the two labels; padded label columns after
         assert out.valid[: len(items)].all()
         np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0, err_msg=str(split))

@@ -102,7 +102,7 @@ def test_an_unknown_backend_is_refused(scorers):
 
 
 def test_an_internal_type_error_is_not_relabelled(scorers):
-    class Broken:
+    class Broken(backends.PerGroupBackend):
         def __init__(self, model, options):
             pass
 

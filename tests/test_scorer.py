@@ -100,7 +100,7 @@ class ScaledOptions:
     factor: float = 1.0
 
 
-class Scaled:
+class Scaled(backends.PerGroupBackend):
     """A user backend on the documented contract: the reference's scores times a factor."""
 
     def __init__(self, model, options: ScaledOptions):

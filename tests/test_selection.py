@@ -131,7 +131,7 @@ def test_auto_considers_the_registrations_that_opt_in(scorers, rng):
     class Mine(SerialBackend):
         """serial's steps, priced as one step that computes and reads nothing."""
 
-        def work(self, batches):
+        def price(self, plan):
             return [step_work(self.model.config, 4, rows=0, new=0, pairs=0, slots=0, peak=0)]
 
     base = scorers("qwen3_qknorm")

@@ -76,6 +76,7 @@ def test_warmup_all_compiles_exactly_the_shape_set(warmed):
     for step in ("prefill", "prefill_rows", "resize", "stack", "unstack", "score_items"):
         assert ("prefill_extend", step) in steps
     assert ("prefill_extend", "score_mixed_items") in steps
+    assert ("prefill_extend", "continuation_logprobs") in steps  # loglikelihood's step
     assert len(shapes) < 60, collections.Counter((s.backend, s.step) for s in shapes)
     # Computable without compiling, and the same again.
     assert scorer.shapes(LIMITS, backends=BACKENDS) == shapes
@@ -98,6 +99,14 @@ def test_nothing_compiles_after_warmup_all(warmed):
         sent += len(requests)
         assert len(compiles) == before, f"call {call} on {backend} compiled"
     assert sent >= 150
+    for call in range(20):  # loglikelihood's steps are in the set too
+        context = random_tokens(rng, int(rng.integers(1, LIMITS["query_tokens"] + 1)), vocab)
+        continuations = [
+            random_tokens(rng, int(rng.integers(1, LIMITS["item_tokens"] + 1)), vocab)
+            for _ in range(int(rng.integers(1, 12)))
+        ]
+        assert len(scorer.loglikelihood(context, continuations)) == len(continuations)
+        assert len(compiles) == before, f"loglikelihood call {call} compiled"
 
 
 def test_auto_covers_its_candidates(small_steps):
@@ -149,8 +158,8 @@ def test_every_scheduled_shape_is_in_the_set(warmed, groups, seed):
     for name in BACKENDS:
         backend = scorer.get_backend(name)
         for output in backend.score_groups(batches):
-            for step, shape in output.stats.shapes:
-                assert (name, step, shape) in listed
+            for s in output.stats.shapes:
+                assert (name, s.step, s.shape) in listed
 
 
 def test_limits_shrink_with_the_lattice(small_steps):

@@ -7,7 +7,8 @@ batched: the baseline) and "reference" (plain numpy, one sequence at a time: the
 Register your own with `register`.
 """
 
-from tpuscore.backends.contract import BackendOutput, ScoreBatch, StepStats
+from tpuscore.backends.base import PerGroupBackend
+from tpuscore.backends.contract import Backend, BackendOutput, Plan, ScoreBatch, StepStats
 from tpuscore.backends.packed import (
     PackedDenseBackend,
     PackedOptions,
@@ -18,7 +19,6 @@ from tpuscore.backends.prefill_extend import PrefillExtendBackend, PrefillExtend
 from tpuscore.backends.reference import ReferenceBackend
 from tpuscore.backends.registry import (
     AUTO,
-    Backend,
     BackendFactory,
     Capabilities,
     available,
@@ -29,6 +29,8 @@ from tpuscore.backends.serial import SerialBackend, SerialOptions
 # The query must come first to be a shared prefix, so only serial and reference put items first.
 # packed_* cannot be batch-invariant: an item's neighbours in a packed row change its sums.
 # Registration order is auto's order of candidates (and so breaks its ties).
+# The fixed rule: prefill_extend when the query comes first, serial for items first; serial is
+# also auto's fallback. prefill_extend runs loglikelihood (a context prefilled once).
 register(
     "prefill_extend",
     PrefillExtendBackend,
@@ -36,6 +38,8 @@ register(
     item_first=False,
     auto=True,
     batch_invariant=True,
+    fixed_rule={False},
+    loglikelihood=True,
 )
 register(
     "packed_segment",
@@ -46,7 +50,15 @@ register(
     auto=True,
 )
 register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False, auto=True)
-register("serial", SerialBackend, options=SerialOptions, auto=True, batch_invariant=True)
+register(
+    "serial",
+    SerialBackend,
+    options=SerialOptions,
+    auto=True,
+    batch_invariant=True,
+    fixed_rule={True},
+    fallback=True,
+)
 # The oracle, never auto's pick; one sequence at a time, so invariant as it is.
 register("reference", ReferenceBackend, batch_invariant=True)
 
@@ -56,6 +68,8 @@ __all__ = [
     "BackendFactory",
     "BackendOutput",
     "Capabilities",
+    "PerGroupBackend",
+    "Plan",
     "ScoreBatch",
     "StepStats",
     "available",

@@ -1,18 +1,27 @@
-"""The backend contract: what the facade hands a backend and what a backend hands back.
+"""The backend contract: the `Backend` protocol every backend implements, what the engine hands
+it and what it hands back.
 
 A backend receives validated `ScoreBatch`es, padded to bucket shapes, one per group (a query with
-its items and labels), and returns a `BackendOutput` per group: logprobs in the batch's padded
-shape, a validity mask, and the stats of the device steps it ran. `score(batch)` scores one
-group; `score_groups(batches)`, where a backend has it, scores several at once and may mix their
-rows in one device step. Backends build their output through `BackendOutput.for_batch` (one
-group) or `BackendOutput.for_groups` (several), which keep every step's result on device until
-the end, so all steps of a call are dispatched before the host waits for any.
+its items and labels). `plan(batches)` says which device steps will score them (a `Plan`),
+`price(plan)` what each of those steps computes and holds (`StepWork`, for the cost model and the
+memory checks), and `run(plan)` runs them, returning a `BackendOutput` per group: logprobs in the
+batch's padded shape, a validity mask, and the stats of the steps it ran. The engine plans once
+and hands that plan to the pricing, the memory check and the run; only an out-of-memory retry
+plans again (after `grow_safety`).
+
+Each backend lists its jitted steps in a step table (`steps`: name -> `Step`, the function and a
+factory of zero inputs for a shape), and `shapes(limits)`, every `StepShape` it can compile for
+requests within limits; warming a shape is running its step once on those zeros (`warm`).
+
+Backends build their output through `BackendOutput.for_batch` (one group) or
+`BackendOutput.for_groups` (several), which keep every step's result on device until the end, so
+all steps of a call are dispatched before the host waits for any.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -23,6 +32,7 @@ from tpuscore.backends.buckets import (
     bucket_tokens,
     row_buckets,
 )
+from tpuscore.backends.work import StepWork
 from tpuscore.parallel.sharding import to_host
 
 
@@ -105,8 +115,146 @@ class ShapeLimits:
         return row_buckets(MIN_LABEL_BUCKET, bucket_count(self.labels, MIN_LABEL_BUCKET))
 
 
-# A step shape: (jitted function, padded input shape), as `StepStats.shapes` records them.
-Shape = tuple[str, tuple[int, ...]]
+@attrs.frozen
+class StepShape:
+    """One executable: the jitted `step` at padded input `shape`, of `backend` where the engine
+    lists several backends' (`Scorer.shapes`); `StepStats.shapes` records a run's."""
+
+    step: str
+    shape: tuple[int, ...]
+    backend: str = ""
+
+    def sort_key(self) -> tuple:
+        return (self.backend, self.step, self.shape)
+
+
+@attrs.frozen
+class Step:
+    """One jitted device step of a backend's step table: its `name`, the `function` its run
+    calls, and `zeros(shape)`: the (args, kwargs) of zeros `function` takes at a padded input
+    `shape` (a `StepShape.shape`), placed as the run places its inputs, built without
+    compiling anything."""
+
+    name: str
+    function: Callable[..., Any]
+    zeros: Callable[[tuple[int, ...]], tuple[tuple, dict[str, Any]]]
+
+
+StepTable = Mapping[str, Step]
+
+
+def step_table(*steps: Step) -> dict[str, Step]:
+    """A step table from its steps, by name."""
+    return {step.name: step for step in steps}
+
+
+def warm(table: StepTable, shape: StepShape) -> None:
+    """Compile one shape: run its step once on zeros of that shape."""
+    step = table.get(shape.step)
+    if step is None:
+        raise ValueError(f"no step {shape.step!r}; the steps are {sorted(table)}")
+    args, kwargs = step.zeros(tuple(shape.shape))
+    step.function(*args, **kwargs)
+
+
+@attrs.frozen(eq=False)
+class ContinuationScores:
+    """One continuation's scores from a loglikelihood plan: each token's log-probability
+    (read-only float32 [tokens]) and whether every token is the model's argmax."""
+
+    token_logprobs: np.ndarray
+    is_greedy: bool
+
+
+@attrs.frozen(eq=False)
+class Plan:
+    """What a backend will run for one call: the groups it scores (`batches`) and `steps` in the
+    backend's own step types: a list, or where a step depends on the result of one before it
+    (prefill_extend's waves see what earlier waves put in its prefix cache), what the backend
+    expands step by step as it runs and as it prices."""
+
+    batches: tuple[ScoreBatch, ...]
+    steps: Any
+
+
+class Backend(Protocol):
+    """What every backend implements; `registry.register` refuses a class without one of these
+    members and names it. `budgets.Budgeted` gives the budget members; a backend that scores one
+    group at a time with no compiled steps of its own can subclass `base.PerGroupBackend` and
+    write only `score(batch)`.
+
+    Attributes:
+        steps: its step table (name -> `Step`): every jitted step it runs, which warmup and the
+            shape set read.
+        safety: the factor its budget is divided by (1 until a step ran out of memory).
+    """
+
+    steps: StepTable
+    safety: float
+
+    @property
+    def budget(self) -> int:
+        """The bytes one step's activations may plan for."""
+        ...
+
+    @property
+    def peak_budget(self) -> int:
+        """What a step's estimated peak (`StepWork.peak`) may reach: `budget` and what the
+        backend holds across steps."""
+        ...
+
+    def grow_safety(self) -> float:
+        """Double `safety` (its later plans have smaller steps); returns the new factor."""
+        ...
+
+    def plan(self, batches: Sequence[ScoreBatch]) -> Plan:
+        """The steps that will score these groups, sized to `budget`."""
+        ...
+
+    def price(self, plan: Plan) -> list[StepWork]:
+        """What each step of the plan computes and holds, in run order."""
+        ...
+
+    def run(self, plan: Plan) -> list[BackendOutput]:
+        """Run the plan: one output per batch, in order."""
+        ...
+
+    def replan(self, plan: Plan) -> Plan:
+        """The same work planned again at the current budget (the memory guard's retry)."""
+        ...
+
+    def shapes(self, limits: ShapeLimits) -> set[StepShape]:
+        """Every step shape it can compile for requests within `limits` (none: no compiled
+        steps)."""
+        ...
+
+
+# The members `registry.register` checks a backend class for.
+PROTOCOL = (
+    "steps",
+    "safety",
+    "budget",
+    "peak_budget",
+    "grow_safety",
+    "plan",
+    "price",
+    "run",
+    "shapes",
+)
+
+
+class LoglikelihoodBackend(Backend, Protocol):
+    """A backend with loglikelihood plans (`Capabilities.loglikelihood`): `run` of such a plan
+    returns one `ContinuationScores` per continuation."""
+
+    def plan_loglikelihood(
+        self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+    ) -> Plan: ...
+
+
+def missing_members(backend: type | object) -> list[str]:
+    """The `Backend` members a backend class (or instance) lacks."""
+    return [name for name in PROTOCOL if getattr(backend, name, None) is None]
 
 
 @attrs.define
@@ -121,7 +269,7 @@ class StepStats:
     steps: int = 0
     chunks: int = 0
     tokens: int = 0
-    shapes: list[tuple[str, tuple[int, ...]]] = attrs.Factory(list)
+    shapes: list[StepShape] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -171,7 +319,7 @@ class GroupsOutputBuilder:
             stats = self.stats[g]
             stats.steps += 1
             stats.tokens += int(n)
-            stats.shapes.append((name, shape))
+            stats.shapes.append(StepShape(name, shape))
 
     def scores(self, group: int, rows: np.ndarray, logprobs: Any, index: Any = ()) -> None:
         """The step just counted scored rows `rows` of batch `group`: logprobs[index] holds

@@ -45,7 +45,9 @@ class BackendPool:
                     options = reg.options()
                 if self.batch_invariant and _has_field(options, "batch_invariant"):
                     options = dataclasses.replace(options, batch_invariant=True)
-                self._instances[name] = reg.factory(self.model, options)
+                backend = reg.factory(self.model, options)
+                registry.check_protocol(name, backend)
+                self._instances[name] = backend
             return self._instances[name]
 
 

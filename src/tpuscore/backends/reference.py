@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpuscore.backends.base import PerGroupBackend
 from tpuscore.backends.contract import BackendOutput, ScoreBatch
 from tpuscore.models import rope
 from tpuscore.models.config import ModelConfig
@@ -95,7 +96,7 @@ def last_token_logprobs(config: ModelConfig, params: Params, tokens: np.ndarray)
     return _log_softmax(_softcap(logits, config.final_logit_softcap))
 
 
-class ReferenceBackend:
+class ReferenceBackend(PerGroupBackend):
     def __init__(self, model: Model, options: None = None):
         self.config = model.config
         self.params = _as_float32(model.weights)

@@ -9,39 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.backends.contract import BackendOutput, ScoreBatch
+from tpuscore.backends.contract import Backend, BackendOutput, ScoreBatch, missing_members
 
 AUTO = "auto"
 PLATFORMS = frozenset({"cpu", "gpu", "tpu"})  # as jax.default_backend() names them
 
 
-class Backend(Protocol):
-    """Scores a validated, bucket-padded batch. Never validates input or post-processes scores.
-
-    A backend may also have `score_groups(batches) -> list[BackendOutput]`, which scores several
-    groups (each a query with its items and labels) in as few device steps as it can; one that
-    has only `score` is called once per group (`score_groups` below).
-    """
-
-    def score(self, batch: ScoreBatch) -> BackendOutput: ...
-
-
 def score_groups(backend: Backend, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
-    """Score several groups with one backend: its own `score_groups` where it has one, else its
-    `score` once per group, so a backend written for one group at a time keeps working."""
-    if hasattr(backend, "score_groups"):
-        outputs = list(backend.score_groups(batches))
-        if len(outputs) != len(batches):
-            raise RuntimeError(
-                f"score_groups returned {len(outputs)} outputs for {len(batches)} batches"
-            )
-        return outputs
-    return [backend.score(batch) for batch in batches]
+    """Plan and run several groups on one backend, checking it returns one output per group."""
+    outputs = list(backend.run(backend.plan(batches)))
+    if len(outputs) != len(batches):
+        raise RuntimeError(f"run returned {len(outputs)} outputs for {len(batches)} batches")
+    return outputs
 
 
 BackendFactory = Callable[[Any, Any], Backend]
@@ -51,15 +35,22 @@ BackendFactory = Callable[[Any, Any], Backend]
 class Capabilities:
     """What a backend can do. item_first: it can score items placed before the query.
     compiled_on: the platforms where it runs compiled code; elsewhere it runs in Pallas interpret
-    mode (right, but slow, and never picked by auto). auto: "auto" may pick it, pricing its steps
-    (`work`) against the other candidates'. batch_invariant: it can run in batch-invariant mode
+    mode (right, but slow, and never picked by auto). auto: "auto" may pick it, pricing its plan
+    (`price`) against the other candidates'. batch_invariant: it can run in batch-invariant mode
     (`Scorer(batch_invariant=True)`), where a request's scores are bit-identical whatever shares
-    its call; if its options class has a `batch_invariant` field, the pool sets it in that mode."""
+    its call; if its options class has a `batch_invariant` field, the pool sets it in that mode.
+    fixed_rule: the item_first values for which `planning.FixedRule` (auto's rule in
+    batch-invariant mode) picks it. fallback: auto's pick where no candidate fits its budget,
+    and for item_first requests. loglikelihood: it has loglikelihood plans
+    (`contract.LoglikelihoodBackend`), which `Scorer.loglikelihood` runs."""
 
     item_first: bool = True
     compiled_on: frozenset[str] = PLATFORMS
     auto: bool = False
     batch_invariant: bool = False
+    fixed_rule: frozenset[bool] = frozenset()
+    fallback: bool = False
+    loglikelihood: bool = False
 
     def compiled(self, platform: str) -> bool:
         return platform in self.compiled_on
@@ -85,25 +76,29 @@ def register(
     compiled_on: frozenset[str] | set[str] = PLATFORMS,
     auto: bool = False,
     batch_invariant: bool = False,
+    fixed_rule: frozenset[bool] | set[bool] = frozenset(),
+    fallback: bool = False,
+    loglikelihood: bool = False,
 ) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it.
 
     Args:
         name: the backend's name; any non-empty string but "auto".
-        factory: called as `factory(model, options)`, returns an object with
-            `score(batch: ScoreBatch) -> BackendOutput`, and optionally
-            `score_groups(batches: Sequence[ScoreBatch]) -> list[BackendOutput]` (else several
-            groups are scored one `score` call each).
+        factory: called as `factory(model, options)`, returns a `contract.Backend`. A class
+            is checked here and refused (TypeError naming what is missing) unless it has every
+            member of the protocol; another callable's result is checked when first built.
+            A backend of `score(batch)` alone subclasses `base.PerGroupBackend`.
         options: a frozen dataclass of the backend's options (keyword-only fields, None meaning
             the default), built from `Scorer(backend_options={name: {...}})`; None if it has none.
         item_first: whether it can score `item_first=True` requests; if not, they are refused
             with `ValidationError(code="unsupported_option")` before they reach it.
         compiled_on: platforms ("cpu", "gpu", "tpu") where it runs compiled code.
-        auto: whether "auto" may pick it. Its instances must then price the steps they would run
-            (`work(batches) -> list[StepWork]`, with `peak_budget`, as `budgets.Budgeted`
-            backends have), which `engine/selection.py` compares with the other candidates'.
+        auto: whether "auto" may pick it, by the price of its plan (`price(plan)`) against its
+            `peak_budget`, which `engine/selection.py` compares with the other candidates'.
         batch_invariant: whether it can run in batch-invariant mode (`Capabilities`); if not,
             a scorer in that mode refuses it (`ValidationError`, "batch_invariant_unsupported").
+        fixed_rule, fallback, loglikelihood: `Capabilities`' (the built-in backends' roles in
+            auto's rules, and the one that runs `Scorer.loglikelihood`).
 
     Raises:
         ValueError: a bad name, options class or platform. TypeError: a factory that is not
@@ -115,14 +110,49 @@ def register(
         )
     if not callable(factory):
         raise TypeError(f"factory for backend {name!r} must be callable, got {factory!r}")
+    if isinstance(factory, type):
+        check_protocol(name, factory)
     if options is not None and not dataclasses.is_dataclass(options):
         raise ValueError(f"options for backend {name!r} must be a dataclass, got {options!r}")
     if not set(compiled_on) <= PLATFORMS:
         raise ValueError(f"compiled_on must be a subset of {sorted(PLATFORMS)}, got {compiled_on}")
     capabilities = Capabilities(
-        bool(item_first), frozenset(compiled_on), bool(auto), bool(batch_invariant)
+        bool(item_first),
+        frozenset(compiled_on),
+        bool(auto),
+        bool(batch_invariant),
+        frozenset(bool(x) for x in fixed_rule),
+        bool(fallback),
+        bool(loglikelihood),
     )
     _REGISTRY[name] = Registration(name, factory, options, capabilities)
+
+
+def check_protocol(name: str, backend: type | object) -> None:
+    """TypeError naming the `contract.Backend` members a backend class or instance lacks."""
+    missing = missing_members(backend)
+    if missing:
+        raise TypeError(
+            f"backend {name!r} ({getattr(backend, '__name__', type(backend).__name__)}) lacks "
+            f"{', '.join(missing)} of the backend protocol (tpuscore.backends.contract.Backend); "
+            "a backend written as score(batch) alone subclasses "
+            "tpuscore.backends.base.PerGroupBackend"
+        )
+
+
+def fixed_rule(item_first: bool) -> str:
+    """The backend `planning.FixedRule` picks for requests with this item_first."""
+    return next(n for n, r in _REGISTRY.items() if item_first in r.capabilities.fixed_rule)
+
+
+def fallback() -> str:
+    """auto's pick where nothing fits, and for item_first requests."""
+    return next(n for n, r in _REGISTRY.items() if r.capabilities.fallback)
+
+
+def loglikelihood_backend() -> str:
+    """The backend that runs `Scorer.loglikelihood` (`Capabilities.loglikelihood`)."""
+    return next(n for n, r in _REGISTRY.items() if r.capabilities.loglikelihood)
 
 
 def available() -> list[str]:

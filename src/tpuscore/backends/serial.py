@@ -17,20 +17,26 @@ import numpy as np
 
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
+from tpuscore.backends.base import Scoring
 from tpuscore.backends.buckets import bucket_tokens, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
     GroupsOutputBuilder,
+    Plan,
     ScoreBatch,
-    Shape,
     ShapeLimits,
+    Step,
+    StepShape,
+    StepTable,
+    step_table,
 )
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
 
+SCORE_SEQUENCES = "score_sequences"  # its one step
 MAX_ROWS = 64
 INVARIANT_ROWS = 16  # rows per step and device in batch-invariant mode, padding included
 
@@ -106,7 +112,7 @@ class SerialStep:
     rows: int
 
 
-class SerialBackend(Budgeted):
+class SerialBackend(Scoring, Budgeted):
     score_sequences = staticmethod(score_sequences)  # the jitted step: a seam for tests
 
     def __init__(self, model: Model, options: SerialOptions):
@@ -138,8 +144,12 @@ class SerialBackend(Budgeted):
                     steps.append(SerialStep(g, chunk, T, size))
         return steps
 
-    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
-        """What each step of `schedule(batches)` does (for `selection.py`)."""
+    def plan(self, batches: Sequence[ScoreBatch]) -> Plan:
+        """The `schedule` of these groups."""
+        return Plan(tuple(batches), self.schedule(batches))
+
+    def price(self, plan: Plan) -> list[work.StepWork]:
+        """What each step of the plan does (for `selection.py`)."""
         config, data = self.model.config, self.model.layout.data
         return [
             work.step_work(
@@ -151,7 +161,7 @@ class SerialBackend(Budgeted):
                 slots=1,
                 peak=step.rows // data * serial_row_bytes(config, step.length),
             )
-            for step in self.schedule(batches)
+            for step in plan.steps
         ]
 
     def rows_per_step(self, length: int) -> int:
@@ -164,41 +174,10 @@ class SerialBackend(Budgeted):
             per_device = min(per_device, INVARIANT_ROWS)
         return per_device * self.model.layout.data
 
-    def shapes(self, limits: ShapeLimits) -> set[Shape]:
-        """Every (step, shape) this backend can compile for requests within `limits`, on its
-        budget as it is: score_sequences (rows, T, C) for T a token bucket of a query and an
-        item, rows a power of two within T's budget (batch-invariant: `rows_per_step`), C a
-        label bucket (docs/serving.md, "Compiled shapes")."""
-        longest = limits.query_tokens + limits.item_tokens
-        out = set()
-        for length in sorted({bucket_tokens(n) for n in range(1, longest + 1)}):
-            cap = self.rows_per_step(length)
-            counts = [cap] if self.batch_invariant else row_buckets(1, cap, self.model.layout.data)
-            for rows, width in itertools.product(counts, limits.label_widths()):
-                out.add(("score_sequences", (rows, length, width)))
-        return out
-
-    def warm(self, shape: Shape) -> None:
-        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
-        name, (rows, length, width) = shape
-        if name != "score_sequences":
-            raise ValueError(f"serial has no step {name!r}")
-        put = self.model.layout.put_rows
-        self.score_sequences(
-            self.model.params,
-            put(np.zeros((rows, length), np.int32)),
-            put(np.zeros(rows, np.int32)),
-            np.zeros(width, np.int32),
-            config=self.model.config,
-        )
-
-    def score(self, batch: ScoreBatch) -> BackendOutput:
-        return self.score_groups([batch])[0]
-
-    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
-        out = BackendOutput.for_groups(batches)
-        for step in self.schedule(batches):
-            self._run(step, batches[step.group], out)
+    def run(self, plan: Plan) -> list[BackendOutput]:
+        out = BackendOutput.for_groups(plan.batches)
+        for step in plan.steps:
+            self._run(step, plan.batches[step.group], out)
         return out.build()
 
     def _run(self, step: SerialStep, batch: ScoreBatch, out: GroupsOutputBuilder) -> None:
@@ -210,7 +189,7 @@ class SerialBackend(Budgeted):
         lengths = np.zeros(step.rows, np.int32)
         lengths[:n] = batch.sequence_lens[step.items]
         shape = (*tokens.shape, len(batch.label_ids))
-        out.step("score_sequences", shape, {step.group: int(lengths.sum())})
+        out.step(SCORE_SEQUENCES, shape, {step.group: int(lengths.sum())})
         out.scores(
             step.group,
             step.items,
@@ -222,3 +201,33 @@ class SerialBackend(Budgeted):
                 config=self.model.config,
             ),
         )
+
+    @property
+    def steps(self) -> StepTable:
+        """Its one step, score_sequences (rows, T, C)."""
+        return step_table(Step(SCORE_SEQUENCES, self.score_sequences, self._sequence_zeros))
+
+    def _sequence_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+        rows, length, width = shape
+        put = self.model.layout.put_rows
+        args = (
+            self.model.params,
+            put(np.zeros((rows, length), np.int32)),
+            put(np.zeros(rows, np.int32)),
+            np.zeros(width, np.int32),
+        )
+        return args, {"config": self.model.config}
+
+    def shapes(self, limits: ShapeLimits) -> set[StepShape]:
+        """Every step shape this backend can compile for requests within `limits`, on its
+        budget as it is: score_sequences (rows, T, C) for T a token bucket of a query and an
+        item, rows a power of two within T's budget (batch-invariant: `rows_per_step`), C a
+        label bucket (docs/serving.md, "Compiled shapes")."""
+        longest = limits.query_tokens + limits.item_tokens
+        out = set()
+        for length in sorted({bucket_tokens(n) for n in range(1, longest + 1)}):
+            cap = self.rows_per_step(length)
+            counts = [cap] if self.batch_invariant else row_buckets(1, cap, self.model.layout.data)
+            for rows, width in itertools.product(counts, limits.label_widths()):
+                out.add(StepShape(SCORE_SEQUENCES, (rows, length, width)))
+        return out

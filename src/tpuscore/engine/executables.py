@@ -1,7 +1,7 @@
 """Compiled executables kept within the memory maps the OS lets a process hold.
 
 XLA:CPU links each executable's kernels into the process as JIT code, in memory maps of their
-own: about a hundred per decoder step (112 measured on the tests' tiny checkpoints). Linux caps a
+own: about a hundred per decoder step (docs/benchmarks.md, "Executables' memory maps"). Linux caps a
 process's maps at vm.max_map_count (65,530 by default), so a process holding some 550 step
 executables can link no more: XLA logs "LLVM compilation error: Cannot allocate memory" and the
 process dies (SIGSEGV). A service meeting many shapes, or `warmup(all=True)` over a shape set of

@@ -2,9 +2,9 @@
 
 Requests that share a query, labels and item_first form one `Group`, so their items fill batches
 together and the query runs once. A `Selector` names the backend "auto" runs for a call's groups
-(by default `selection.CostModel`, by estimated time and memory), and each backend gets all the
-groups that picked it in one call (`by_backend`), where backends that can mix queries in a device
-step do.
+(by default `selection.CostModel`, by estimated time and memory, which hands back the plan it
+priced), and each backend gets its groups in one `Call` with that backend's plan, built once:
+priced, checked against the device's memory and run as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
-from tpuscore.backends.contract import BackendOutput, ScoreBatch, make_batch
+from tpuscore.backends.contract import BackendOutput, Plan, ScoreBatch, make_batch
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import selection
 
@@ -57,18 +57,36 @@ def group(requests: Sequence[ScoreRequest]) -> list[Group]:
 
 class Selector(Protocol):
     """Names the registered backend that "auto" runs for groups of a call (all item_first, or
-    none), which it scores together. `selection.CostModel` is the default."""
+    none), which it scores together: its name, or a `selection.Choice` with the plan it priced
+    (which then runs as it is). `selection.CostModel` is the default."""
 
-    def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str: ...
+    def select(
+        self, batches: Sequence[ScoreBatch], pool: BackendPool
+    ) -> str | selection.Choice: ...
+
+
+def picked(choice: str | selection.Choice) -> str:
+    """The backend name of a selector's pick."""
+    return choice if isinstance(choice, str) else choice.backend
 
 
 class FixedRule:
     """prefill_extend whenever the query comes first (it runs the query once, not once per
-    item), else serial: the rule before the cost model, for whoever wants it fixed, and auto's
-    rule in batch-invariant mode, where a pick must not depend on what else is in the call."""
+    item), else serial (`Capabilities.fixed_rule`): the rule before the cost model, for whoever
+    wants it fixed, and auto's rule in batch-invariant mode, where a pick must not depend on
+    what else is in the call."""
 
     def select(self, batches: Sequence[ScoreBatch], pool: BackendPool) -> str:
-        return "serial" if batches[0].item_first else "prefill_extend"
+        return registry.fixed_rule(batches[0].item_first)
+
+
+@attrs.frozen(eq=False)
+class Call:
+    """One backend call of an engine call: `backend` runs `plan`, which scores `groups`."""
+
+    backend: str
+    groups: tuple[Group, ...]
+    plan: Plan
 
 
 def plan(
@@ -78,36 +96,37 @@ def plan(
     pool: BackendPool,
     *,
     batch_invariant: bool = False,
-) -> list[tuple[Group, str]]:
-    """Each group with the backend that runs it: `backend`, or for "auto" the selector's pick
-    for all of the call's groups at once (item_first ones apart). Every pick is checked against
-    its groups before any runs: its capabilities (batch_invariant: that it has that mode, which
-    a user's selector might not respect), and that its steps fit the device
-    (`selection.check_fits`)."""
+) -> list[Call]:
+    """The backend calls that score these requests: all their groups on `backend`, or for
+    "auto" the selector's pick for all of the call's groups at once (item_first ones apart),
+    each with its plan (the selector's, else planned here, once). Every pick is checked before
+    any runs: its capabilities (batch_invariant: that it has that mode, which a user's selector
+    might not respect), then that its priced steps fit the device (`selection.check_fits`)."""
     groups = group(requests)
-    names = [backend] * len(groups)
-    if backend == registry.AUTO:
+    picks: list[tuple[str | selection.Choice, list[Group]]] = []
+    if backend != registry.AUTO:
+        if groups:
+            picks.append((backend, groups))
+    else:
         for item_first in (False, True):
-            members = [i for i, g in enumerate(groups) if g.batch.item_first == item_first]
+            members = [g for g in groups if g.batch.item_first == item_first]
             if members:
-                name = selector.select([groups[i].batch for i in members], pool)
-                for i in members:
-                    names[i] = name
-    planned = list(zip(groups, names, strict=True))
-    for g, name in planned:
-        registry.check_capabilities(name, g.batch.item_first, batch_invariant)
-    for name, named in by_backend(planned).items():
-        selection.check_fits(name, pool.get(name), [g.batch for g in named])
-    return planned
-
-
-def by_backend(planned: Sequence[tuple[Group, str]]) -> dict[str, list[Group]]:
-    """The planned groups of each backend, in plan order: a backend gets all of a call's groups
-    at once, so groups with different queries can share its device steps."""
-    groups: dict[str, list[Group]] = {}
-    for g, name in planned:
-        groups.setdefault(name, []).append(g)
-    return groups
+                picks.append((selector.select([g.batch for g in members], pool), members))
+    for choice, members in picks:
+        for g in members:
+            registry.check_capabilities(picked(choice), g.batch.item_first, batch_invariant)
+    calls = []
+    for choice, members in picks:
+        name = picked(choice)
+        instance = pool.get(name)
+        if isinstance(choice, selection.Choice):
+            planned, steps = choice.plan, choice.work
+        else:
+            planned = instance.plan([g.batch for g in members])
+            steps = instance.price(planned)
+        selection.check_fits(name, instance, steps)
+        calls.append(Call(name, tuple(members), planned))
+    return calls
 
 
 def split(

@@ -17,10 +17,10 @@ import tokenizers
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.requests import LoglikelihoodRequest, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
-from tpuscore.backends.contract import ShapeLimits
+from tpuscore.backends.contract import ContinuationScores, LoglikelihoodBackend, ShapeLimits
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import executables, memory_guard, planning, progress, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
@@ -60,7 +60,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.batch_invariant = bool(batch_invariant)
         self.default_backend = self.checked_backend(backend)
-        self.cost_model = selection.CostModel(profile)
+        self.cost_model = selection.CostModel(profile, model.platform)
         default_selector = planning.FixedRule() if self.batch_invariant else self.cost_model
         self.selector = selector or default_selector
         self.backends = BackendPool(model, backend_options, self.batch_invariant)
@@ -130,20 +130,24 @@ class Engine:
         results = [
             ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
         ]
-        planned = planning.plan(
+        calls = planning.plan(
             requests, name, self.selector, self.backends, batch_invariant=self.batch_invariant
         )
         if on_progress is not None:
             on_progress(sum(not r.items for r in requests))  # nothing to run for these
-        for chosen, groups in planning.by_backend(planned).items():
-            instance = self.backends.get(chosen)
-            outputs = memory_guard.score_groups(chosen, instance, [g.batch for g in groups])
-            for group, output in zip(groups, outputs, strict=True):
-                split = planning.split(output, group, requests, chosen)
+        for call in calls:
+            outputs = memory_guard.run(call.backend, self.backends.get(call.backend), call.plan)
+            if len(outputs) != len(call.groups):
+                raise RuntimeError(
+                    f"backend {call.backend!r} returned {len(outputs)} outputs for "
+                    f"{len(call.groups)} groups"
+                )
+            for group, output in zip(call.groups, outputs, strict=True):
+                split = planning.split(output, group, requests, call.backend)
                 for i, result in zip(group.members, split, strict=True):
                     results[i] = result
             if on_progress is not None:
-                on_progress(sum(len(g.members) for g in groups))
+                on_progress(sum(len(g.members) for g in call.groups))
         executables.guard().check()
         return results
 
@@ -165,8 +169,19 @@ class Engine:
         batches = [g.batch for g in planning.group([request])]
         plan = self.cost_model.plan(batches, self.backends)
         if self.selector is not self.cost_model:
-            plan = attrs.evolve(plan, pick=self.selector.select(batches, self.backends))
+            pick = planning.picked(self.selector.select(batches, self.backends))
+            plan = attrs.evolve(plan, pick=pick)
         return plan
+
+    def loglikelihood(self, request: LoglikelihoodRequest) -> list[ContinuationScores]:
+        """Each continuation's token log-probabilities after the context, on the backend with
+        loglikelihood plans (`Capabilities.loglikelihood`), under the memory guard."""
+        name = registry.loglikelihood_backend()
+        backend: LoglikelihoodBackend = self.backends.get(name)
+        plan = backend.plan_loglikelihood(request.context, request.continuations)
+        scores = memory_guard.run(name, backend, plan)
+        executables.guard().check()
+        return scores
 
     def warmup(
         self,
@@ -199,7 +214,8 @@ class Engine:
         every backend it may pick) for requests within `limits` (`shapes.limits_for`)."""
         names = []
         for backend in backends or [self.default_backend]:
-            for name in shapes.backends_for(self.checked_backend(backend), self.selector):
+            checked = self.checked_backend(backend)
+            for name in shapes.backends_for(checked, self.selector, self.model.platform):
                 if name not in names:
                     names.append(name)
         return shapes.shape_set(self.backends, names, shapes.limits_for(self.config, limits))

@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 import jax
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.backends import registry
+from tpuscore.backends import contract, registry
 from tpuscore.backends.buckets import MIN_LABEL_BUCKET
-from tpuscore.backends.contract import ShapeLimits
+from tpuscore.backends.contract import ShapeLimits, StepShape
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import executables, planning
 from tpuscore.engine.warmup import Warmed
@@ -35,16 +34,6 @@ logger = logging.getLogger(__name__)
 
 LIMIT_FIELDS = ("query_tokens", "item_tokens", "labels")
 Limits = ShapeLimits | Mapping[str, int]  # a mapping: some of the fields, the rest defaults
-
-
-@attrs.frozen(order=True)
-class StepShape:
-    """One executable: `backend`'s jitted `step` at padded input `shape` (as `StepStats.shapes`
-    records a step)."""
-
-    backend: str
-    step: str
-    shape: tuple[int, ...]
 
 
 def limits_for(config: ModelConfig, limits: Limits | None) -> ShapeLimits:
@@ -76,28 +65,25 @@ def limits_for(config: ModelConfig, limits: Limits | None) -> ShapeLimits:
     return ShapeLimits(**values)
 
 
-def backends_for(name: str, selector: planning.Selector) -> list[str]:
+def backends_for(name: str, selector: planning.Selector, platform: str) -> list[str]:
     """The backends a call on `name` may run: itself, or for "auto" what the selector may pick
     (`FixedRule`: prefill_extend and serial; otherwise every candidate compiled here)."""
     if name != registry.AUTO:
         return [name]
     if isinstance(selector, planning.FixedRule):
-        return ["prefill_extend", "serial"]
-    platform = jax.default_backend()
+        return [registry.fixed_rule(False), registry.fixed_rule(True)]
     return [
         n for n in registry.candidates() if registry.registration(n).capabilities.compiled(platform)
     ]
 
 
 def shape_set(pool: BackendPool, names: Sequence[str], limits: ShapeLimits) -> list[StepShape]:
-    """The shapes of these backends for requests within `limits`, sorted. A backend without
-    `shapes` (reference: numpy, no compiled step) has none."""
+    """The shapes of these backends for requests within `limits`, sorted by backend, step and
+    shape. A backend with no compiled step (reference: numpy) has none."""
     out = set()
     for name in names:
-        backend = pool.get(name)
-        if hasattr(backend, "shapes"):
-            out.update(StepShape(name, step, shape) for step, shape in backend.shapes(limits))
-    return sorted(out)
+        out.update(attrs.evolve(s, backend=name) for s in pool.get(name).shapes(limits))
+    return sorted(out, key=StepShape.sort_key)
 
 
 def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
@@ -112,10 +98,10 @@ def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
     guard, maps_before, done = executables.guard(), executables.map_count(), 0
     warmed = []
     for name, own in sorted(by_backend.items(), key=lambda named: -len(named[1])):
-        backend: Any = pool.get(name)
+        table = pool.get(name).steps
         start = time.perf_counter()
         for shape in own:
-            backend.warm((shape.step, shape.shape))
+            contract.warm(table, shape)
             done += 1
             if done % executables.WARMUP_PROBE == 0:
                 guard.check_warmup(len(shapes), done, maps_before)

@@ -24,15 +24,13 @@ import numpy as np
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, planning
+from tpuscore.engine import executables, memory_guard, planning
 
 logger = logging.getLogger(__name__)
 
 # A typical ranking service: user contexts of 64 to 1024 tokens, pages of 10 to 100 candidates of
-# about 16 tokens. A sample: the whole of 32-2048 query tokens x 1-100 items x 8-64 item tokens is
-# 952 step shapes of the default model (prefill_extend's extend shape includes the query bucket);
-# these six are 10 shapes, warmed in 56 s on a 2-core CPU (docs/benchmarks.md). Other geometries
-# compile on first use (or warm them by name).
+# about 16 tokens. A sample of a few shapes, not the whole range's shape set (docs/benchmarks.md,
+# "Default warmup geometries"); other geometries compile on first use (or warm them by name).
 DEFAULT_GEOMETRIES = tuple((q, n, 16) for q in (64, 256, 1024) for n in (10, 100))
 
 
@@ -94,12 +92,14 @@ def warm(
         for name in backends:
             ran = set()
             while True:  # auto: again if the query, now cached, changes its pick (module doc)
-                ((group, chosen),) = planning.plan([request], name, selector, fresh)
+                ((call),) = planning.plan([request], name, selector, fresh)
+                chosen = call.backend
                 if chosen in ran:
                     break
                 ran.add(chosen)
                 start = time.perf_counter()
-                stats = fresh.get(chosen).score(group.batch).stats
+                (output,) = memory_guard.run(chosen, fresh.get(chosen), call.plan)
+                stats = output.stats
                 seconds = time.perf_counter() - start
                 logger.info(
                     "warmed %s on %s: %d steps in %.2f s", geometry, chosen, stats.steps, seconds

@@ -62,13 +62,15 @@ class Model:
     `layout`, in the form the decoder takes: on CPU its bfloat16 layer weights are held as their
     uint16 bits (`weights.layers_as_bits`; `weights` has them in their own dtypes). precision is
     the mode's name (`resolve_precision`), dtype its `base_dtype`: that of attention and the
-    K/V."""
+    K/V. platform: where it runs ("cpu", "gpu", "tpu"), resolved once from its layout; what
+    reads the platform reads it here."""
 
     config: ModelConfig
     params: Params
     dtype: np.dtype
     layout: Layout = ONE_DEVICE
     precision: str = "float32"
+    platform: str = attrs.field(kw_only=True, factory=jax.default_backend)
 
     @classmethod
     def build(
@@ -81,9 +83,10 @@ class Model:
             placed = layout.put_params(_mixed(params), None)
         else:
             placed = layout.put_params(params, base_dtype(precision))
-        if jax.default_backend() == "cpu":
+        platform = layout.platform
+        if platform == "cpu":
             placed = layers_as_bits(placed)
-        return cls(config, placed, base_dtype(precision), layout, precision)
+        return cls(config, placed, base_dtype(precision), layout, precision, platform=platform)
 
     @property
     def weights(self) -> Params:

@@ -83,6 +83,14 @@ class Layout:
         """Devices along "model": how many ways heads and the MLP are split."""
         return 1 if self.mesh is None else self.mesh.shape[MODEL]
 
+    @property
+    def platform(self) -> str:
+        """Where its arrays live ("cpu", "gpu", "tpu"): the mesh's devices', else the default
+        device's."""
+        if self.mesh is None:
+            return jax.default_backend()
+        return self.mesh.devices.flat[0].platform
+
     def rows(self, n: int) -> int:
         """The padded row count of a step with n rows: a power of two, and a multiple of the data
         axis so each device gets the same number."""

@@ -17,44 +17,25 @@ backends differ only in how attention applies that mask:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-from collections.abc import Sequence
 
-import attrs
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor, row_buckets
+from tpuscore.backends.base import Scoring
+from tpuscore.backends.buckets import bucket_tokens
 from tpuscore.backends.budgets import Budgeted
-from tpuscore.backends.contract import (
-    BackendOutput,
-    ScoreBatch,
-    Shape,
-    ShapeLimits,
-    stack_labels,
-)
-from tpuscore.backends.packed import memory, packing
-from tpuscore.kernels.segment import segment_attention
+from tpuscore.backends.contract import BackendOutput, Plan, stack_labels
+from tpuscore.backends.packed import packing, steps
+from tpuscore.backends.packed.plan import PackedPlanning
+from tpuscore.backends.packed.shapes import PackedStepShapes
+from tpuscore.backends.packed.steps import SCORE_PACKED
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, tuned_block_sizes
-from tpuscore.kernels.segment.mask import segment_mask
 from tpuscore.kernels.segment.tpu import BlockSizes
-from tpuscore.models import decoder
-from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
-from tpuscore.models.weights import Params
-from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 logger = logging.getLogger(__name__)
-
-MAX_PACKED_TOKENS = 16384  # bounds the token buckets a stream of requests can compile
-MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row counts likewise
-# Packed tokens per scored position: a row of T tokens scores up to about T / 12 items (`slots`),
-# so its LM head costs a few percent of its layers. Rows of shorter items are padded longer.
-SLOT_TOKENS = 12
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,85 +80,21 @@ class PackedSegmentOptions(PackedOptions):
         object.__setattr__(self, "block_sizes", block_sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "layout", "interpret"))
-def score_packed(
-    params: Params,
-    tokens: jax.Array,
-    positions: jax.Array,
-    prefix_len: jax.Array,
-    seg_start: jax.Array,
-    score_index: jax.Array,
-    label_ids: jax.Array,
-    config: ModelConfig,
-    block_sizes: BlockSizes | GpuBlockSizes | None,
-    layout: Layout = ONE_DEVICE,
-    interpret: bool | None = None,
-) -> jax.Array:
-    """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
-    with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
-
-    block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
-    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one), run
-    on each device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
-    in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
-    False).
-    """
-    B, T = tokens.shape
-    if block_sizes is None:
-        mask = segment_mask(prefix_len, seg_start, T)
-
-        def attention(q, k, v, layer):
-            window = decoder.within_window(positions, positions, layer.window)
-            return decoder.attend(q, k, v, mask & window, layer)
-
-    else:
-
-        def attention(q, k, v, layer):  # the kernel wants heads before tokens: [B, N, T, H]
-            q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
-            kernel = functools.partial(
-                segment_attention,
-                scale=layer.scale,
-                softcap=layer.softcap,
-                block_sizes=block_sizes,
-                interpret=interpret,
-            )
-            window = jnp.int32(decoder.NO_WINDOW) if layer.window is None else layer.window
-            o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
-            return o.swapaxes(1, 2)
-
-    hidden = decoder.forward(params, config, tokens, positions, attention)
-    scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
-    return decoder.row_label_logprobs(params, config, scored, label_ids)
-
-
-@attrs.frozen
-class PackedStep:
-    """One device step: `chunks` (group, batch rows of that group's items), one packed row each,
-    padded to `rows` rows of `length` tokens; `tokens` real tokens per chunk."""
-
-    length: int
-    rows: int
-    chunks: tuple[tuple[int, np.ndarray], ...]
-    tokens: tuple[int, ...]
-
-
-class PackedBackend(Budgeted):
+class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
     """What both packed backends share; subclasses say how attention applies the mask."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
     dense_mask = True
-    score_packed = staticmethod(score_packed)  # the jitted step: a seam for tests
+    score_packed = staticmethod(steps.score_packed)  # the jitted step: a seam for tests
 
     def __init__(self, model: Model, options: PackedOptions):
         self.model = model
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
 
-    def score(self, batch: ScoreBatch) -> BackendOutput:
-        return self.score_groups([batch])[0]
-
-    def score_groups(self, batches: Sequence[ScoreBatch]) -> list[BackendOutput]:
+    def run(self, plan: Plan) -> list[BackendOutput]:
+        batches = plan.batches
         out = BackendOutput.for_groups(batches)
-        for step in self.schedule(batches):
+        for step in plan.steps:
             if step.length > self.max_tokens:  # the query and one item, too long to split further
                 logger.warning(
                     "packed length %d needs about %d bytes, over the %d-byte budget",
@@ -196,7 +113,7 @@ class PackedBackend(Budgeted):
             for g, n in zip(groups, step.tokens, strict=True):
                 tokens[g] = tokens.get(g, 0) + n
             out.step(
-                "score_packed",
+                SCORE_PACKED,
                 (*packed.tokens.shape, packed.score_index.shape[1], labels.shape[1]),
                 tokens,
             )
@@ -217,108 +134,11 @@ class PackedBackend(Budgeted):
                 out.scores(g, rows, logprobs, index=r)
         return out.build()
 
-    def schedule(self, batches: Sequence[ScoreBatch]) -> list[PackedStep]:
-        """The device steps that score these groups.
-
-        Each group's items are split, in order, into chunks that fill the longest packed length
-        that fits the budget, with no more items than their logits leave room for there
-        (`chunk_limits`, `packing.plan`, `slots`); each chunk is one packed row, its query first,
-        of `length_for` its tokens and items.
-        Rows are taken longest first: a step's length is the token bucket of its longest chunk,
-        and it takes as many of the next chunks as fit that length's memory (a power of two of
-        rows, the last step padded to one), so chunks of similar length share a step.
-        """
-        chunks = [
-            (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
-            for g, batch in enumerate(batches)
-            for rows in packing.plan(batch, self.max_tokens, self.slots(self.max_tokens))
-        ]
-        lengths = [self.length_for(n, len(rows)) for _, rows, n in chunks]
-        order = sorted(range(len(chunks)), key=lambda c: -lengths[c])  # stable
-        chunks = [chunks[c] for c in order]
-        steps, start = [], 0
-        while start < len(chunks):
-            length = lengths[order[start]]
-            count = min(len(chunks) - start, self.rows(length))
-            while count > 1 and self.step_bytes(chunks[start : start + count], length) > (
-                self.budget
-            ):
-                count //= 2  # many items per row: the LM head's logits need room too
-            taken = chunks[start : start + count]
-            steps.append(
-                PackedStep(
-                    length=length,
-                    rows=self.model.layout.rows(count),
-                    chunks=tuple((g, rows) for g, rows, _ in taken),
-                    tokens=tuple(n for _, _, n in taken),
-                )
-            )
-            start += count
-        return steps
-
-    def bucket(self, tokens: int) -> int:
-        """The packed length that `tokens` real tokens are padded to."""
-        return bucket_tokens(tokens)
-
-    def rows(self, length: int) -> int:
-        """Packed rows per step at this length whose memory fits the budget on each device."""
-        per_device = memory.packed_rows(
-            self.model.config, length, self.budget, MAX_STEP_TOKENS, dense_mask=self.dense_mask
-        )
-        return per_device * self.model.layout.data
-
-    def step_bytes(self, chunks, length: int) -> int:
-        """Estimated peak memory on each device of one step packing these (group, rows, tokens)
-        chunks."""
-        layout = self.model.layout
-        rows = layout.rows(len(chunks)) // layout.data
-        return memory.packed_step_bytes(
-            self.model.config, rows, length, self.slots(length), dense_mask=self.dense_mask
-        )
-
-    def length_for(self, tokens: int, items: int) -> int:
-        """The packed length of a row of `tokens` real tokens scoring `items` items: the bucket
-        of its tokens, or the first longer one whose `slots` hold its items (rows of many tiny
-        items are padded rather than split)."""
-        length = self.bucket(tokens)
-        while self.slots(length) < items and length < self.max_tokens:
-            length = self.bucket(length + 1)
-        return length
-
-    def slots(self, length: int) -> int:
-        """Items a packed row of `length` tokens scores (padding included): one per
-        SLOT_TOKENS tokens, rounded up to a power of two, within what the logits leave room for.
-        A function of the length, so a step's item count adds no dimension to the shape set."""
-        return min(self.chunk_limits[1], bucket_count(-(-length // SLOT_TOKENS)))
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest packed length (a bucket) whose memory, with one item's logits, fits the
-        budget."""
-        return self.chunk_limits[0]
-
-    @property
-    def chunk_limits(self) -> tuple[int, int]:
-        """(max_tokens, the most items, a power of two, whose logits fit beside them)."""
-        return self._chunk_limits(self.budget)
-
-    @functools.lru_cache(maxsize=8)  # noqa: B019 (one entry per budget; backends live long)
-    def _chunk_limits(self, budget: int) -> tuple[int, int]:
-        config = self.model.config
-        fits, length = self.bucket(1), self.bucket(1)
-        while (
-            length <= MAX_PACKED_TOKENS
-            and self.memory_bytes(length) + work.logits_bytes(config, 1) <= budget
-        ):
-            fits, length = length, self.bucket(length + 1)
-        room = budget - self.memory_bytes(fits)
-        return fits, pow2_floor(room // work.logits_bytes(config, 1))
-
-    def work(self, batches: Sequence[ScoreBatch]) -> list[work.StepWork]:
-        """What each step of `schedule(batches)` does (for `selection.py`)."""
+    def price(self, plan: Plan) -> list[work.StepWork]:
+        """What each step of the plan does (for `selection.py`)."""
         config, itemsize = self.model.config, self.model.dtype.itemsize
-        steps = []
-        for step in self.schedule(batches):
+        batches, steps = plan.batches, []
+        for step in plan.steps:
             T = step.length
             chunks = [(g, rows, n) for (g, rows), n in zip(step.chunks, step.tokens, strict=True)]
             if self.block_sizes is None:  # dense: every (token, key) pair, masked or not
@@ -347,40 +167,6 @@ class PackedBackend(Budgeted):
             )
         return steps
 
-    def shapes(self, limits: ShapeLimits) -> set[Shape]:
-        """Every (step, shape) this backend can compile for requests within `limits`, on its
-        budget as it is: score_packed (rows, T, slots(T), C) for T a packed length up to the
-        longest chunk (`max_tokens`, or a query and one item past it), rows a power of two
-        within T's budget, C a label bucket (docs/serving.md, "Compiled shapes")."""
-        longest = max(self.max_tokens, limits.query_tokens + limits.item_tokens)
-        lengths = sorted({self.bucket(n) for n in range(1, longest + 1)})
-        return {
-            ("score_packed", (rows, length, self.slots(length), width))
-            for length in lengths
-            for rows in row_buckets(1, self.rows(length), self.model.layout.data)
-            for width in limits.label_widths()
-        }
-
-    def warm(self, shape: Shape) -> None:
-        """Compile one shape of `shapes`: run the step once on zeros of that shape."""
-        name, (rows, length, slots, width) = shape
-        if name != "score_packed":
-            raise ValueError(f"{type(self).__name__} has no step {name!r}")
-        zeros = functools.partial(np.zeros, dtype=np.int32)
-        inputs = [zeros((rows, length))] * 2 + [zeros(rows), zeros((rows, length))]
-        inputs += [zeros((rows, slots)), zeros((rows, width))]
-        self.score_packed(
-            self.model.params,
-            *map(self.model.layout.put_rows, inputs),
-            config=self.model.config,
-            block_sizes=self.block_sizes,
-            layout=self.model.layout,
-        )
-
-    def memory_bytes(self, length: int) -> int:
-        """Estimated peak memory of one layer at this packed length."""
-        return memory.packed_bytes(self.model.config, length, dense_mask=self.dense_mask)
-
 
 class PackedDenseBackend(PackedBackend):
     """packed_dense: attention under a dense [T, T] mask."""
@@ -394,7 +180,7 @@ class PackedSegmentBackend(PackedBackend):
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)
         self.block_sizes = options.block_sizes
-        if self.block_sizes is None and jax.default_backend() == "gpu":
+        if self.block_sizes is None and model.platform == "gpu":
             kind = jax.devices()[0].device_kind
             self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
         elif self.block_sizes is None:

@@ -1,0 +1,71 @@
+"""The packed backends' one jitted step: packed rows of a query and its items through the model,
+attention under the segment mask (dense, or the segment kernel's)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tpuscore.kernels.segment import segment_attention
+from tpuscore.kernels.segment.gpu import GpuBlockSizes
+from tpuscore.kernels.segment.mask import segment_mask
+from tpuscore.kernels.segment.tpu import BlockSizes
+from tpuscore.models import decoder
+from tpuscore.models.config import ModelConfig
+from tpuscore.models.weights import Params
+from tpuscore.parallel.sharding import ONE_DEVICE, Layout
+
+SCORE_PACKED = "score_packed"  # its name, as the step table, the shape set and stats give it
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "layout", "interpret"))
+def score_packed(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    prefix_len: jax.Array,
+    seg_start: jax.Array,
+    score_index: jax.Array,
+    label_ids: jax.Array,
+    config: ModelConfig,
+    block_sizes: BlockSizes | GpuBlockSizes | None,
+    layout: Layout = ONE_DEVICE,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
+    with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
+
+    block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
+    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one), run
+    on each device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
+    in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
+    False).
+    """
+    B, T = tokens.shape
+    if block_sizes is None:
+        mask = segment_mask(prefix_len, seg_start, T)
+
+        def attention(q, k, v, layer):
+            window = decoder.within_window(positions, positions, layer.window)
+            return decoder.attend(q, k, v, mask & window, layer)
+
+    else:
+
+        def attention(q, k, v, layer):  # the kernel wants heads before tokens: [B, N, T, H]
+            q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+            kernel = functools.partial(
+                segment_attention,
+                scale=layer.scale,
+                softcap=layer.softcap,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )
+            window = jnp.int32(decoder.NO_WINDOW) if layer.window is None else layer.window
+            o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
+            return o.swapaxes(1, 2)
+
+    hidden = decoder.forward(params, config, tokens, positions, attention)
+    scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
+    return decoder.row_label_logprobs(params, config, scored, label_ids)

@@ -1,0 +1,29 @@
+"""The platform is resolved once, into the model, and passed down (compiles nothing)."""
+
+import numpy as np
+
+from tpuscore.backends.prefill_extend.steps import key_blocks, keys_read
+from tpuscore.engine import shapes
+from tpuscore.engine.planning import FixedRule
+from tpuscore.models.model import Model
+from tpuscore.parallel.sharding import ONE_DEVICE
+
+
+def test_key_blocks_follow_the_platform_given_not_the_process():
+    assert key_blocks(2048, platform="cpu") > 1
+    assert key_blocks(2048, platform="tpu") == key_blocks(2048, platform="gpu") == 1
+    assert keys_read(2048, 10, platform="tpu") == 2048  # one block: all of it
+    assert keys_read(2048, 10, platform="cpu") < 2048
+
+
+def test_the_model_holds_its_layouts_platform():
+    model = Model(None, params=None, dtype=np.dtype(np.float32), platform="tpu")
+    assert model.platform == "tpu"
+    assert Model(None, None, np.dtype(np.float32)).platform == ONE_DEVICE.platform
+
+
+def test_auto_shapes_take_the_platform_given():
+    on_tpu = shapes.backends_for("auto", object(), "tpu")
+    on_cpu = shapes.backends_for("auto", object(), "cpu")
+    assert "packed_segment" in on_tpu and "packed_segment" not in on_cpu
+    assert shapes.backends_for("auto", FixedRule(), "tpu") == ["prefill_extend", "serial"]
