@@ -277,7 +277,7 @@ BAD_REQUESTS = [
         "/v1/score",
         {"query": "x", "items": ["a"] * (MAX_ITEMS + 1), "label_token_ids": [1]},
         None,
-        400,
+        413,
         "too_many_items",
         "items",
     ),

@@ -18,7 +18,13 @@ import tokenizers
 
 from tpuscore.api import tokenization
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import TRUNCATE_SIDES, LoglikelihoodRequest, ScoreOptions, ScoreRequest
+from tpuscore.api.requests import (
+    TRUNCATE_SIDES,
+    LoglikelihoodRequest,
+    RequestLimits,
+    ScoreOptions,
+    ScoreRequest,
+)
 
 
 @attrs.frozen
@@ -449,3 +455,76 @@ def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any,
             what = where or "the request"
             raise ValidationError("invalid_argument", f"{what} has no {name!r}", prefix + name)
     return request["query"], request["items"], options
+
+
+# -- request size -----------------------------------------------------------------------------
+
+
+def _length(value: Any) -> int:
+    """A value's length as `RequestLimits` counts it: a text's characters, a list's entries (a
+    token-id list's ids); 0 for anything else, which validation refuses later."""
+    return len(value) if isinstance(value, (str, list, tuple, np.ndarray)) else 0
+
+
+def label_count(labels: Any, label_token_ids: Any) -> int:
+    """The labels a request names, as sent (0 for none: a classification model's classes)."""
+    return max(_length(labels), _length(label_token_ids))
+
+
+def check_size(
+    limits: RequestLimits,
+    *,
+    items: tuple[str, Any],
+    values: Mapping[str, Any],
+    num_labels: int = 0,
+) -> None:
+    """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
+
+    items is (its name on the wire, its list); values the request's other texts or token-id
+    lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
+    too_many_scores, input_too_long (one value), request_too_large (all of them together)."""
+    name, entries = items
+    entries = [entries] if isinstance(entries, str) else entries
+    count = len(entries) if isinstance(entries, (list, tuple)) else 0
+    if count > limits.max_items:
+        raise ValidationError(
+            "too_many_items",
+            f"{name} has {count} entries; this server takes at most {limits.max_items}",
+            name,
+        )
+    if num_labels > limits.max_labels:
+        raise ValidationError(
+            "too_many_labels",
+            f"the request names {num_labels} labels; this server takes at most "
+            f"{limits.max_labels} (a repeated label counts each time)",
+            "labels",
+        )
+    if count * num_labels > limits.max_scores:
+        raise ValidationError(
+            "too_many_scores",
+            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; this server "
+            f"answers at most {limits.max_scores} per request",
+            name,
+        )
+    total = 0
+    named = [(f"{name}[{i}]", e) for i, e in enumerate(entries)] if count else []
+    for param, value in [*values.items(), *named]:
+        texts = isinstance(value, list) and value and isinstance(value[0], str)  # labels
+        parts = [(f"{param}[{j}]", v) for j, v in enumerate(value)] if texts else [(param, value)]
+        for param, part in parts:  # noqa: PLW2901 (a part is named as its own param)
+            length = _length(part)
+            if length > limits.max_length:
+                raise ValidationError(
+                    "input_too_long",
+                    f"{param} has length {length} (characters of text, or token ids); this "
+                    f"server takes at most {limits.max_length}",
+                    param,
+                )
+            total += length
+    if total > limits.max_total_length:
+        raise ValidationError(
+            "request_too_large",
+            f"the request's texts and token ids have length {total} in all; this server takes "
+            f"at most {limits.max_total_length}",
+            None,
+        )

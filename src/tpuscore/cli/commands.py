@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
     )
     add("--max-body-bytes", type=int, default=16 << 20, help="largest request body (16 MiB)")
-    add("--max-items", type=int, default=4096, help="most items or documents per request")
+    add_request_limits(p)
     add(
         "--max-wait-ms",
         type=float,
@@ -498,7 +498,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or server.model_name(args.model),
             rerank_template=args.rerank_template,
             max_body_bytes=args.max_body_bytes,
-            max_items=args.max_items,
+            limits=request_limits(args),
             batcher_options=batcher_options,
             allowed_hosts=allowed_hosts,
         )
@@ -511,6 +511,31 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     server.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def add_request_limits(parser: argparse.ArgumentParser) -> None:
+    """A flag per `RequestLimits` field (--max-items, --max-labels, ...), its default and help
+    from the declaration."""
+    from tpuscore.api.requests import RequestLimits, attribute_docs
+
+    docs = attribute_docs(RequestLimits)
+    for field in attrs.fields(RequestLimits):
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=int,
+            default=field.default,
+            help=f"{docs[field.name]} (default {field.default})",
+        )
+
+
+def request_limits(args: argparse.Namespace):
+    """The `RequestLimits` the flags give; InputError for a value below 1."""
+    from tpuscore.api.requests import RequestLimits
+
+    try:
+        return RequestLimits(**{name: getattr(args, name) for name in RequestLimits.names()})
+    except ValueError as e:
+        raise InputError(f"--{str(e).replace('_', '-')}") from None
 
 
 def parse_limits(text: str | None) -> dict[str, int]:

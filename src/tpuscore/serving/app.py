@@ -42,6 +42,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
@@ -55,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import tpuscore
 from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
 from tpuscore.serving import guards, protocol
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
@@ -65,7 +67,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-DEFAULT_MAX_ITEMS = 4096
+DEFAULT_MAX_ITEMS = RequestLimits().max_items
+# A request past a size bound (`RequestLimits`) is well formed but more than this server takes.
+SIZE_CODES = frozenset(
+    {"too_many_items", "too_many_labels", "too_many_scores", "too_many_queries"}
+    | {"input_too_long", "request_too_large"}
+)
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
@@ -200,12 +207,10 @@ class Service:
         model_name: str,
         rerank_template: str | templates.Template,
         max_body_bytes: int,
-        max_items: int,
+        limits: RequestLimits,
     ):
-        if max_body_bytes < 1 or max_items < 1:
-            raise ValueError(
-                f"max_body_bytes ({max_body_bytes}) and max_items ({max_items}) must be >= 1"
-            )
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes ({max_body_bytes}) must be >= 1")
         if isinstance(rerank_template, templates.Template):
             self.template = rerank_template
         else:
@@ -234,7 +239,8 @@ class Service:
             ) from None
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
-        self.max_body_bytes, self.max_items = max_body_bytes, max_items
+        self.max_body_bytes, self.limits = max_body_bytes, limits
+        self.num_labels = len(self.labels) if self.labels else classes
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -243,7 +249,12 @@ class Service:
         model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
         class) with apply_softmax, as SGLang scores SequenceClassification models."""
         items = [body.items] if isinstance(body.items, str) else body.items
-        self.check_count(items, "items")
+        validation.check_size(
+            self.limits,
+            items=("items", items),
+            values={"query": body.query, "labels": body.labels},
+            num_labels=validation.label_count(body.labels, body.label_token_ids),
+        )
         result = await self.scored(
             request, query=body.query, items=items, **protocol.score_options(body)
         )
@@ -309,7 +320,12 @@ class Service:
         to what fits beside the query (Cohere's v2 behaviour) instead of failing
         sequence_too_long."""
         docs = body.documents
-        self.check_count(docs, "documents")
+        validation.check_size(
+            self.limits,
+            items=("documents", docs),
+            values={"query": body.query, "instruction": body.instruction},
+            num_labels=self.num_labels,
+        )
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
         max_tokens = body.max_tokens_per_doc
@@ -363,9 +379,16 @@ class Service:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""
         pairs = body.pairs()
-        self.check_count(pairs, body.SIDES[1])
+        first, second = body.SIDES
+        queries = [query for query, _ in pairs]
+        validation.check_size(
+            self.limits,
+            items=(second, [doc for _, doc in pairs]),
+            values={first: queries if len(set(queries)) > 1 else queries[:1]},
+            num_labels=self.num_labels,
+        )
         by_query: dict[str, list[int]] = {}
-        for i, (query, _) in enumerate(pairs):
+        for i, query in enumerate(queries):
             by_query.setdefault(query, []).append(i)
         groups = list(by_query.items())
         results = await asyncio.gather(
@@ -419,6 +442,7 @@ class Service:
     async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
         """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("prompt")
+        validation.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
         validation.check_text(body.prompt, "prompt")
         encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         response = protocol.TokenizeResponse(
@@ -432,6 +456,7 @@ class Service:
     async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
         """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("tokens")
+        validation.check_size(self.limits, items=("tokens", []), values={"tokens": body.tokens})
         vocab_size = self.scorer.config.vocab_size
         for j, t in enumerate(body.tokens):
             if not 0 <= t < vocab_size:
@@ -471,14 +496,6 @@ class Service:
         """The Prometheus series: requests by status, latency, items, tokens, backends."""
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
-    def check_count(self, items: Any, param: str) -> None:
-        if isinstance(items, list) and len(items) > self.max_items:
-            raise ValidationError(
-                "too_many_items",
-                f"{param} has {len(items)} entries; this server takes at most {self.max_items}",
-                param,
-            )
-
 
 def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationError:
     """`error` with its param's first part (a library argument) renamed by `names`."""
@@ -498,7 +515,8 @@ async def request_invalid(request: Request, exc: RequestValidationError) -> Resp
 
 
 async def input_refused(request: Request, exc: ValidationError) -> Response:
-    return error_response(400, exc.code, str(exc), exc.param)
+    """400, or 413 for a request past a size bound."""
+    return error_response(413 if exc.code in SIZE_CODES else 400, exc.code, str(exc), exc.param)
 
 
 async def overloaded(request: Request, exc: Overloaded) -> Response:
@@ -572,7 +590,11 @@ class CountedAndGuarded:
 ERROR_CONTENT = {"model": protocol.ErrorBody}
 POST_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {**ERROR_CONTENT, "description": "a bad request; `code` says why (docs/serving.md)"},
-    413: {**ERROR_CONTENT, "description": "the body is larger than --max-body-bytes"},
+    413: {
+        **ERROR_CONTENT,
+        "description": "the body is larger than --max-body-bytes, or the request is past a "
+        "size bound (--max-items, --max-labels, ...; `code` says which)",
+    },
     503: {
         **ERROR_CONTENT,
         "description": "the queue is full; retry after Retry-After seconds",
@@ -588,7 +610,8 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     rerank_template: str | templates.Template = "plain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_items: int = DEFAULT_MAX_ITEMS,
+    limits: RequestLimits | None = None,
+    max_items: int | None = None,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
     allowed_hosts: Collection[str] | None = None,
@@ -600,7 +623,12 @@ def create_app(
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
     to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
     `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
-    `tpuscore serve` does). Raises ValueError for an unknown template name or a limit below 1."""
+    `tpuscore serve` does). limits bound each request's size (`RequestLimits`' defaults unless
+    given; max_items, if given, replaces its max_items). Raises ValueError for an unknown template
+    name or a limit below 1."""
+    limits = limits or RequestLimits()
+    if max_items is not None:
+        limits = attrs.evolve(limits, max_items=max_items)
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -611,7 +639,7 @@ def create_app(
             model_name=model_name,
             rerank_template=rerank_template,
             max_body_bytes=max_body_bytes,
-            max_items=max_items,
+            limits=limits,
         )
     except Exception:
         if own:

@@ -18,9 +18,7 @@ Who checks what:
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import reprlib
 import typing
 from typing import Annotated, Any, ClassVar, Literal
@@ -31,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidatio
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tpuscore.api.requests import ScoreOptions
+from tpuscore.api.requests import ScoreOptions, attribute_docs
 
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
 COHERE_MAX_TOKENS_PER_DOC = 4096
@@ -143,27 +141,10 @@ Document = Annotated[
 ]
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """name -> text of the "Attributes:" section of a Google-style class docstring."""
-    docs: dict[str, str] = {}
-    doc = inspect.getdoc(cls) or ""
-    section = doc.split("Attributes:\n", 1)[1] if "Attributes:\n" in doc else ""
-    name = None
-    for line in section.splitlines():
-        if match := re.fullmatch(r"    (\w+): (.*)", line):
-            name = match[1]
-            docs[name] = match[2]
-        elif line.startswith("        ") and name is not None:
-            docs[name] += " " + line.strip()
-        else:
-            break
-    return docs
-
-
 def score_option_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """`create_model` field definitions for the `ScoreOptions` options, named, defaulted and
     described as `ScoreOptions` declares them, typed for the schema only."""
-    docs = _attribute_docs(ScoreOptions)
+    docs = attribute_docs(ScoreOptions)
     types = typing.get_type_hints(ScoreOptions)
     fields = {}
     for option in attrs.fields(ScoreOptions):

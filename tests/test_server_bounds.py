@@ -1,0 +1,179 @@
+"""Every dimension of a request is bounded (`RequestLimits`), and a request past a bound is
+refused with 413 and its code before any tokenization or batcher work: the server's tokenizer
+and its batcher are watched, and a refused request touches neither.
+"""
+
+import httpx
+import pytest
+
+from helpers import ServerThread
+from test_server import TEMPLATE
+from tpuscore.api import validation
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import RequestLimits
+from tpuscore.serving import app as server
+from tpuscore.serving.batcher import Batcher
+
+CASE = "qwen3_qknorm"
+LIMITS = RequestLimits(
+    max_items=4, max_labels=3, max_scores=8, max_length=40, max_total_length=100, max_queries=2
+)
+LONG = "x" * (LIMITS.max_length + 1)
+MID = "y" * 30  # within max_length; four of them pass max_total_length
+
+
+class CountingTokenizer:
+    """The scorer's tokenizer, its calls counted."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __getattr__(self, name):
+        attribute = getattr(self.tokenizer, name)
+        if name.startswith(("encode", "decode")):
+
+            def counted(*args, **kwargs):
+                self.calls += 1
+                return attribute(*args, **kwargs)
+
+            return counted
+        return attribute
+
+
+class Watched:
+    """The scorer, its tokenizer counted once the app is built."""
+
+    def __init__(self, scorer):
+        self.scorer, self.tokenizer = scorer, scorer.tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+
+class RecordingBatcher(Batcher):
+    """A Batcher that records each request handed to it."""
+
+    def __init__(self, scorer, **options):
+        super().__init__(scorer, **options)
+        self.requests = []
+
+    async def score_async(self, **kwargs):
+        self.requests.append(kwargs)
+        return await super().score_async(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def watched(scorers):
+    return Watched(scorers(CASE))
+
+
+@pytest.fixture(scope="module")
+def batcher(watched):
+    with RecordingBatcher(watched.scorer, max_pending=3) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def client(watched, batcher):
+    app = server.create_app(watched, rerank_template=TEMPLATE, limits=LIMITS, batcher=batcher)
+    watched.tokenizer = CountingTokenizer(watched.scorer.tokenizer)
+    running = ServerThread(app)
+    with httpx.Client(base_url=running.url, timeout=60) as c:
+        yield c
+    running.stop()
+
+
+SCORE = {"query": "q", "label_token_ids": [1]}
+REFUSED = [
+    # (path, body, code, param)
+    ("/v1/score", {**SCORE, "items": ["a"] * 5}, "too_many_items", "items"),
+    ("/v1/score", {**SCORE, "items": [[1]] * 5}, "too_many_items", "items"),
+    (
+        "/v1/score",
+        {**SCORE, "items": ["a"], "label_token_ids": [1] * 4},
+        "too_many_labels",
+        "labels",
+    ),
+    ("/v1/score", {**SCORE, "items": ["a"], "labels": ["a"] * 4}, "too_many_labels", "labels"),
+    # Labels repeated count each time: each is a column of the answer.
+    (
+        "/v1/score",
+        {**SCORE, "items": ["a"] * 3, "label_token_ids": [1, 1, 1]},
+        "too_many_scores",
+        "items",
+    ),
+    ("/v1/score", {**SCORE, "items": ["a", LONG]}, "input_too_long", "items[1]"),
+    ("/v1/score", {**SCORE, "items": [[1], [2] * 41]}, "input_too_long", "items[1]"),
+    ("/v1/score", {**SCORE, "items": "a", "query": LONG}, "input_too_long", "query"),
+    ("/v1/score", {**SCORE, "items": "a", "query": [1] * 41}, "input_too_long", "query"),
+    (
+        "/v1/score",
+        {"query": "q", "items": ["a"], "labels": ["a", LONG]},
+        "input_too_long",
+        "labels[1]",
+    ),
+    ("/v1/score", {**SCORE, "items": [MID] * 4}, "request_too_large", None),
+    ("/v1/rerank", {"query": "q", "documents": ["a"] * 5}, "too_many_items", "documents"),
+    (
+        "/v1/rerank",
+        {"query": "q", "documents": ["a", {"text": LONG}]},
+        "input_too_long",
+        "documents[1]",
+    ),
+    (
+        "/v1/rerank",
+        {"query": "q", "documents": ["a"], "instruction": LONG},
+        "input_too_long",
+        "instruction",
+    ),
+    ("/rerank", {"query": LONG, "documents": ["a"]}, "input_too_long", "query"),
+    ("/v2/rerank", {"query": "q", "documents": [MID] * 4}, "request_too_large", None),
+    ("/v2/rerank", {"query": "q", "documents": ["a", LONG]}, "input_too_long", "documents[1]"),
+    ("/score", {"text_1": "q", "text_2": ["a"] * 5}, "too_many_items", "text_2"),
+    ("/score", {"queries": ["q", LONG], "documents": ["a", "b"]}, "input_too_long", "queries[1]"),
+    ("/score", {"data_1": "q", "data_2": ["a", LONG]}, "input_too_long", "data_2[1]"),
+    ("/tokenize", {"prompt": LONG}, "input_too_long", "prompt"),
+    ("/detokenize", {"tokens": [1] * 41}, "input_too_long", "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "code", "param"), REFUSED, ids=lambda v: str(v)[:20])
+def test_a_request_past_a_bound_is_refused_before_any_work(
+    client, watched, batcher, path, body, code, param
+):
+    calls, handed = watched.tokenizer.calls, len(batcher.requests)
+    response = client.post(path, json=body)
+    assert response.status_code == 413, response.text
+    error = response.json()
+    assert (error["code"], error["param"]) == (code, param), error
+    assert watched.tokenizer.calls == calls and len(batcher.requests) == handed
+
+
+def test_a_request_at_every_bound_is_served(client, batcher):
+    """The bounds are inclusive: a request at each of them is scored."""
+    handed = len(batcher.requests)
+    at_bounds = {"query": "q", "items": ["a", "b"], "labels": ["a", "b", "c"]}
+    assert client.post("/v1/score", json=at_bounds).status_code == 200
+    ids = {"query": [1] * 40, "items": [[2] * 15] * 4, "label_token_ids": [1, 2]}
+    assert client.post("/v1/score", json=ids).status_code == 200
+    docs = {"query": "q", "documents": ["d" * 40, "e"]}
+    assert client.post("/v2/rerank", json=docs).status_code == 200
+    assert len(batcher.requests) == handed + 3
+
+
+def test_the_reported_request_is_refused_cheaply(client):
+    """The issue's 100 KB request of 32 items x 50,000 label ids answered 33.6 MB and took
+    505 MiB; at the default limits it is refused by its label count, and the answer is short."""
+    labels = [3] * 50_000
+    with pytest.raises(ValidationError) as refused:
+        validation.check_size(
+            RequestLimits(),
+            items=("items", [[2]] * 32),
+            values={"query": [1], "label_token_ids": labels},
+            num_labels=validation.label_count(None, labels),
+        )
+    assert refused.value.code == "too_many_labels"
+    body = {"query": [1], "items": [[2]] * 2, "label_token_ids": labels}
+    response = client.post("/v1/score", json=body)
+    assert response.status_code == 413 and response.json()["code"] == "too_many_labels"
+    assert len(response.content) < 1024
