@@ -177,3 +177,42 @@ def test_the_reported_request_is_refused_cheaply(client):
     response = client.post("/v1/score", json=body)
     assert response.status_code == 413 and response.json()["code"] == "too_many_labels"
     assert len(response.content) < 1024
+
+
+HUGE = "z" * 20_000
+ECHOED = [
+    # (path, body, headers): each refused, each carrying HUGE where the message could echo it
+    ("/v1/score", {**SCORE, "items": {"a": HUGE}}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"], "label_token_ids": HUGE}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"], "labels": {"a": HUGE}}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"], "apply_softmax": HUGE}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"], HUGE: 1}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"], "model": [HUGE]}, {}),
+    ("/v1/score", {**SCORE, "items": ["a"]}, {"X-Request-Timeout": HUGE}),
+    ("/v1/score", {**SCORE, "items": ["a"]}, {"Content-Type": "text/" + HUGE}),
+    ("/v1/rerank", {"query": "q", "documents": [{"text": 1, "x": HUGE}]}, {}),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": HUGE}, {}),
+    ("/score", {"text_1": [HUGE, 1], "text_2": ["a", "b"]}, {}),
+    ("/detokenize", {"tokens": [HUGE]}, {}),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "headers"), ECHOED, ids=lambda v: str(v)[:30])
+def test_an_error_cuts_the_values_it_shows(client, path, body, headers):
+    """An error names the refused value cut (`short`): its body stays small whatever was sent."""
+    response = client.post(path, json=body, headers=headers)
+    assert 400 <= response.status_code < 500, response.text[:300]
+    assert len(response.content) < 1500, response.text[:300]
+
+
+def test_short_bounds_any_value():
+    import numpy as np
+
+    from tpuscore.api.messages import short
+
+    nested: list = [HUGE]
+    for _ in range(500):
+        nested = [nested, HUGE]
+    for value in (HUGE, [HUGE] * 1000, {HUGE: HUGE}, nested, np.arange(10**6), 10**4000 - 1):
+        assert len(short(value)) <= 1500
+    assert short("abc") == "'abc'" and short([1, 2]) == "[1, 2]"

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 import attrs
 
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 
 Truncate = Literal["right", "left"]  # right keeps an item's first tokens, left its last
 TRUNCATE_SIDES = get_args(Truncate)
@@ -65,7 +66,8 @@ class ScoreOptions:
             prefix = f"{where}: " if where else ""
             raise ValidationError(
                 "invalid_argument",
-                f"{prefix}unknown argument(s) {unknown}; allowed: {', '.join(SCORE_ARGUMENTS)}",
+                f"{prefix}unknown argument(s) {short(unknown)}; "
+                f"allowed: {', '.join(SCORE_ARGUMENTS)}",
                 f"{where}.{unknown[0]}" if where else str(unknown[0]),
             )
         return cls(**options)

@@ -18,6 +18,7 @@ import tokenizers
 
 from tpuscore.api import tokenization
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.api.requests import (
     TRUNCATE_SIDES,
     LoglikelihoodRequest,
@@ -67,7 +68,9 @@ def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
     ids = []
     for j, t in enumerate(value):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral):
-            raise ValidationError(code, f"{param}[{j}] must be an int token id, got {t!r}", param)
+            raise ValidationError(
+                code, f"{param}[{j}] must be an int token id, got {short(t)}", param
+            )
         t = int(t)
         if t < 0:
             raise ValidationError(
@@ -86,7 +89,9 @@ def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
 
 def _check_bool(value: Any, param: str) -> None:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValidationError("invalid_argument", f"{param} must be a bool, got {value!r}", param)
+        raise ValidationError(
+            "invalid_argument", f"{param} must be a bool, got {short(value)}", param
+        )
 
 
 def _labels(
@@ -99,7 +104,9 @@ def _labels(
     if labels is not None:
         if isinstance(labels, str) or not isinstance(labels, Sequence):
             raise ValidationError(
-                "invalid_label_token_ids", f"labels must be a list of str, got {labels!r}", "labels"
+                "invalid_label_token_ids",
+                f"labels must be a list of str, got {short(labels)}",
+                "labels",
             )
         if not labels:
             raise ValidationError("empty_label_token_ids", "labels is empty", "labels")
@@ -107,14 +114,16 @@ def _labels(
         for j, label in enumerate(labels):
             if not isinstance(label, str):
                 raise ValidationError(
-                    "invalid_label_token_ids", f"labels[{j}] must be a str, got {label!r}", "labels"
+                    "invalid_label_token_ids",
+                    f"labels[{j}] must be a str, got {short(label)}",
+                    "labels",
                 )
             check_text(label, f"labels[{j}]")
             tokens = tokenization.encode_label(_require(tokenizer, "labels"), label)
             if len(tokens) != 1:
                 raise ValidationError(
                     "multi_token_label",
-                    f"label {label!r} encodes to {len(tokens)} tokens {tokens}; "
+                    f"label {short(label)} encodes to {len(tokens)} tokens {short(tokens)}; "
                     "labels must be single tokens",
                     "labels",
                 )
@@ -127,7 +136,7 @@ def _labels(
     if not _is_token_list(label_token_ids):
         raise ValidationError(
             "invalid_label_token_ids",
-            f"label_token_ids must be a list of int token ids, got {label_token_ids!r}",
+            f"label_token_ids must be a list of int token ids, got {short(label_token_ids)}",
             "label_token_ids",
         )
     if len(label_token_ids) == 0:
@@ -286,13 +295,13 @@ def _input_kind(
     else:
         raise ValidationError(
             "invalid_query",
-            f"{query_name} must be a str or a list of int token ids, got {query!r}",
+            f"{query_name} must be a str or a list of int token ids, got {short(query)}",
             query_name,
         )
     if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
         raise ValidationError(
             "invalid_items",
-            f"{items_name} must be a list of str or a list of token-id lists, got {items!r}",
+            f"{items_name} must be a list of str or a list of token-id lists, got {short(items)}",
             items_name,
         )
     for i, item in enumerate(items):
@@ -300,7 +309,7 @@ def _input_kind(
         if not item_text and not _is_token_list(item):
             raise ValidationError(
                 "invalid_items",
-                f"{items_name}[{i}] must be a str or a list of int token ids, got {item!r}",
+                f"{items_name}[{i}] must be a str or a list of int token ids, got {short(item)}",
                 item_param(i),
             )
         if item_text != text:
@@ -338,13 +347,14 @@ def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
     ):
         raise ValidationError(
             "invalid_argument",
-            f"max_item_tokens must be an int >= 1 or None, got {max_item_tokens!r}",
+            f"max_item_tokens must be an int >= 1 or None, got {short(max_item_tokens)}",
             "max_item_tokens",
         )
     if not isinstance(truncate, str) or truncate not in TRUNCATE_SIDES:
         raise ValidationError(
             "invalid_argument",
-            f"truncate must be one of {', '.join(map(repr, TRUNCATE_SIDES))}, got {truncate!r}",
+            f"truncate must be one of {', '.join(map(repr, TRUNCATE_SIDES))}, "
+            f"got {short(truncate)}",
             "truncate",
         )
 
@@ -369,7 +379,7 @@ def _item_suffix(
     elif not _is_token_list(item_suffix):
         raise ValidationError(
             "invalid_argument",
-            f"item_suffix must be a str or a list of int token ids, got {item_suffix!r}",
+            f"item_suffix must be a str or a list of int token ids, got {short(item_suffix)}",
             "item_suffix",
         )
     return _token_ids(item_suffix, "item_suffix", "invalid_argument", vocab_size)
@@ -453,7 +463,7 @@ def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any,
     for name in ("query", "items"):
         if name not in request:
             what = where or "the request"
-            raise ValidationError("invalid_argument", f"{what} has no {name!r}", prefix + name)
+            raise ValidationError("invalid_argument", f"{what} has no {short(name)}", prefix + name)
     return request["query"], request["items"], options
 
 
@@ -468,7 +478,8 @@ def _length(value: Any) -> int:
 
 def label_count(labels: Any, label_token_ids: Any) -> int:
     """The labels a request names, as sent (0 for none: a classification model's classes)."""
-    return max(_length(labels), _length(label_token_ids))
+    lists = [v for v in (labels, label_token_ids) if isinstance(v, (list, tuple, np.ndarray))]
+    return max(map(len, lists), default=0)
 
 
 def check_size(

@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import tpuscore
 from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
 from tpuscore.serving import guards, protocol
@@ -79,6 +80,9 @@ RETRY_AFTER_S = 1
 # The library calls a rerank's documents `items`; its errors name them as the wire does.
 RERANK_PARAMS = {"items": "documents"}
 
+# A `param` longer than this (a field name is the caller's: an unknown one may be any length) is
+# cut as a message's values are.
+MAX_PARAM = 200
 ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -93,7 +97,7 @@ def error_response(
     body = protocol.ErrorBody(
         message=message,
         type=ERROR_TYPES.get(status, "invalid_request_error"),
-        param=param,
+        param=param if param is None or len(param) <= MAX_PARAM else short(param),
         code=code,
     )
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
@@ -157,7 +161,8 @@ class JsonRequest(Request):
                 raise ApiError(
                     400,
                     "invalid_content_type",
-                    f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                    "Content-Type must be application/json, "
+                    f"got {short(media_type) if media_type else 'none'}",
                 )
             body = await self.body()
             try:
@@ -536,7 +541,7 @@ async def client_left(request: Request, exc: guards.ClientDisconnected) -> Respo
 
 def foreign_host(host: str) -> Response:
     message = (
-        f"this server does not answer to the host {host!r}; "
+        f"this server does not answer to the host {short(host)}; "
         "start it with --allowed-hosts naming it (or '*')"
     )
     return error_response(400, "invalid_host", message, "Host")

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ def request_timeout(headers: Mapping[str, str], server_timeout: float | None) ->
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValidationError(
             "invalid_argument",
-            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}",
+            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {short(raw)}",
             TIMEOUT_HEADER,
         )
     return seconds if server_timeout is None else min(seconds, server_timeout)

@@ -19,7 +19,6 @@ Who checks what:
 from __future__ import annotations
 
 import json
-import reprlib
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidatio
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
+from tpuscore.api.messages import short
 from tpuscore.api.requests import ScoreOptions, attribute_docs
 
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
@@ -52,15 +52,6 @@ TPUSCORE_CODES = frozenset(
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
 # set them from the template and `max_tokens_per_doc`.
 SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
-
-_short = reprlib.Repr()
-_short.maxlevel, _short.maxstring, _short.maxother = 3, 60, 60
-
-
-def short(value: Any) -> str:
-    """A bounded repr for error messages: any input, however large or deeply nested."""
-    return _short.repr(value)
-
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -507,6 +498,8 @@ def error_fields(error: dict[str, Any]) -> tuple[str, str | None, str]:
             if error["type"] == "missing"
             else f"{error['msg']}, got {short(error.get('input'))}"
         )
+    if param is not None and len(param) > len(short(param)):  # an unknown field's name
+        param = short(param)
     return code, param, f"{param}: {message}" if param else message
 
 
