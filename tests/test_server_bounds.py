@@ -3,6 +3,8 @@ refused with 413 and its code before any tokenization or batcher work: the serve
 and its batcher are watched, and a refused request touches neither.
 """
 
+import json
+
 import httpx
 import pytest
 
@@ -216,3 +218,41 @@ def test_short_bounds_any_value():
     for value in (HUGE, [HUGE] * 1000, {HUGE: HUGE}, nested, np.arange(10**6), 10**4000 - 1):
         assert len(short(value)) <= 1500
     assert short("abc") == "'abc'" and short([1, 2]) == "[1, 2]"
+
+
+LONE = "a\ud800b"  # a lone surrogate: JSON and Python carry it, UTF-8 cannot
+INVALID_TEXT = [
+    # (path, body, param): every text field of every endpoint
+    ("/v1/score", {**SCORE, "query": LONE, "items": ["a"]}, "query"),
+    ("/v1/score", {**SCORE, "items": ["a", LONE]}, "items[1]"),
+    ("/v1/score", {"query": "q", "items": ["a"], "labels": ["a", LONE]}, "labels[1]"),
+    ("/v1/rerank", {"query": LONE, "documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", {"text": LONE}]}, "documents[1]"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "instruction": LONE}, "instruction"),
+    (
+        "/v1/rerank",
+        {"query": "q", "documents": [{"t": LONE}], "rank_fields": ["t"]},
+        "documents[0]",
+    ),
+    ("/rerank", {"query": LONE, "documents": ["a"]}, "query"),
+    ("/v2/rerank", {"query": LONE, "documents": ["a"]}, "query"),
+    ("/v2/rerank", {"query": "q", "documents": [LONE]}, "documents[0]"),
+    ("/v2/rerank", {"query": "q", "documents": ["a"], "instruction": LONE}, "instruction"),
+    ("/score", {"text_1": LONE, "text_2": ["a"]}, "text_1"),
+    ("/score", {"queries": ["q", "r"], "documents": ["a", LONE]}, "documents[1]"),
+    ("/v1/score", {"data_1": ["q", LONE], "data_2": ["a", "b"]}, "data_1[1]"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), INVALID_TEXT, ids=lambda v: str(v)[:24])
+def test_invalid_text_is_refused_before_it_is_tokenized(client, watched, path, body, param):
+    """A lone surrogate in any text field is 400 invalid_text naming it, never a 500 from the
+    tokenizer (/v2/rerank tokenized its query first and answered 500)."""
+    calls = watched.tokenizer.calls
+    response = client.post(
+        path, content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert (response.json()["code"], response.json()["param"]) == ("invalid_text", param)
+    assert watched.tokenizer.calls == calls

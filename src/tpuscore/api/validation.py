@@ -339,6 +339,18 @@ def check_text(value: str, param: str) -> None:
         ) from None
 
 
+def check_texts(values: Mapping[str, Any]) -> None:
+    """check_text on each named value that is a str, and on each str of a named list (named
+    `name[i]`); other values are left to their own checks."""
+    for name, value in values.items():
+        if isinstance(value, str):
+            check_text(value, name)
+        elif isinstance(value, list):
+            for i, text in enumerate(value):
+                if isinstance(text, str):
+                    check_text(text, f"{name}[{i}]")
+
+
 def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
     if max_item_tokens is not None and (
         isinstance(max_item_tokens, (bool, np.bool_))

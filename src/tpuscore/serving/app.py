@@ -331,6 +331,10 @@ class Service:
             values={"query": body.query, "instruction": body.instruction},
             num_labels=self.num_labels,
         )
+        # Before anything tokenizes them (room_beside does, for v2).
+        validation.check_texts(
+            {"query": body.query, "instruction": body.instruction, "documents": docs}
+        )
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
         max_tokens = body.max_tokens_per_doc
@@ -392,6 +396,7 @@ class Service:
             values={first: queries if len(set(queries)) > 1 else queries[:1]},
             num_labels=self.num_labels,
         )
+        validation.check_texts({side: getattr(body, side) for side in body.SIDES})
         by_query: dict[str, list[int]] = {}
         for i, query in enumerate(queries):
             by_query.setdefault(query, []).append(i)
