@@ -4,13 +4,14 @@ and its batcher are watched, and a refused request touches neither.
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from helpers import ServerThread
-from test_server import TEMPLATE
-from tpuscore.api import validation
+from test_server import TEMPLATE, Held
+from tpuscore.api import tokenization, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
 from tpuscore.serving import app as server
@@ -86,6 +87,7 @@ def client(watched, batcher):
 
 
 SCORE = {"query": "q", "label_token_ids": [1]}
+BLOCKER = {"query": [1, 2, 3], "items": [[4]], "label_token_ids": [5]}
 REFUSED = [
     # (path, body, code, param)
     ("/v1/score", {**SCORE, "items": ["a"] * 5}, "too_many_items", "items"),
@@ -256,3 +258,47 @@ def test_invalid_text_is_refused_before_it_is_tokenized(client, watched, path, b
     assert response.status_code == 400, response.text
     assert (response.json()["code"], response.json()["param"]) == ("invalid_text", param)
     assert watched.tokenizer.calls == calls
+
+
+def test_an_nn_score_is_admitted_whole_or_refused_once(scorers):
+    """vLLM's N:N /score runs a batcher request per distinct query. More distinct queries than
+    max_pending is 413 too_many_queries, once (it was 503, retried forever on an idle server);
+    when the queue has room for only some, the request is 503 and the admitted ones are
+    dropped, never scored for nobody."""
+    scorer = scorers(CASE)
+    held = Held(scorer)
+    app = server.create_app(
+        held, rerank_template=TEMPLATE, batcher_options={"max_pending": 2, "max_wait_ms": 0}
+    )
+    running = ServerThread(app)
+    queries = ["first query", "second query", "third query"]
+    rendered = {
+        tuple(tokenization.encode_query(scorer.tokenizer, TEMPLATE.render_query(q)))
+        for q in queries
+    }
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            three = {"queries": queries, "documents": ["a", "b", "c"]}
+            refused = c.post("/score", json=three)
+            assert refused.status_code == 413, refused.text
+            assert (refused.json()["code"], refused.json()["param"]) == (
+                "too_many_queries",
+                "queries",
+            )
+            assert held.queries == []
+            with ThreadPoolExecutor(1) as pool:
+                blocker = pool.submit(c.post, "/v1/score", json=BLOCKER)
+                assert held.running.wait(60)  # one request running: room for one more
+                two = {"queries": queries[:2], "documents": ["a", "b"]}
+                overloaded = c.post("/score", json=two)
+                assert overloaded.status_code == 503, overloaded.text
+                # Dropped before the answer, not when uvicorn reports the connection done.
+                assert app.state.service.batcher.pending == 1
+                held.gate.set()
+                assert blocker.result(60).status_code == 200
+            # A request after: the worker has passed anything the N:N request left queued.
+            assert c.post("/v1/score", json=BLOCKER).status_code == 200
+    finally:
+        held.gate.set()
+        running.stop()
+    assert held.queries and not rendered & set(held.queries), held.queries

@@ -38,9 +38,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import starlette.responses
@@ -65,6 +65,7 @@ from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -400,12 +401,20 @@ class Service:
         by_query: dict[str, list[int]] = {}
         for i, query in enumerate(queries):
             by_query.setdefault(query, []).append(i)
-        groups = list(by_query.items())
-        results = await asyncio.gather(
-            *(
-                self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
-                for query, indexes in groups
+        # Each distinct query is a batcher request: the request is admitted whole or not at all.
+        most = min(self.limits.max_queries, self.batcher.max_pending)
+        if len(by_query) > most:
+            raise ValidationError(
+                "too_many_queries",
+                f"{first} holds {len(by_query)} distinct queries; each is scored as a request of "
+                f"its own, and this server takes at most {most} in one request "
+                "(--max-queries, --max-pending)",
+                first,
             )
+        groups = list(by_query.items())
+        results = await all_or_none(
+            self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
+            for query, indexes in groups
         )
         scores = [0.0] * len(pairs)
         num_tokens = 0
@@ -505,6 +514,18 @@ class Service:
     async def prometheus(self) -> Response:
         """The Prometheus series: requests by status, latency, items, tokens, backends."""
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+
+async def all_or_none(works: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result of `works`, run concurrently; if one fails, the others are cancelled (a
+    batcher request cancelled is dropped unscored) before its error is raised."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationError:
