@@ -685,3 +685,24 @@ def test_serve_flags_set_the_deadline_and_the_allowed_hosts(default_model_path, 
             assert (guard[0].kwargs["hosts"] if guard else None) == hosts
         finally:
             batcher.close()
+
+
+def test_max_tokens_per_doc_counts_the_documents_own_tokens(client, scorer):
+    """Each document is cut to its own first max_tokens_per_doc tokens: at small values the
+    template's words ("Document: ") were counted, and different documents scored the same."""
+    docs = ["foxes jump over dogs", "rivers run past mills", "foxes jump under logs"]
+    tokenizer = scorer.tokenizer
+    for n in (1, 2, 3):
+        cut = [
+            tokenizer.decode(tokenizer.encode(d, add_special_tokens=False).ids[:n]) for d in docs
+        ]
+        assert all(d.startswith(c) for d, c in zip(docs, cut, strict=True))
+        expected = {r.index: r.score for r in expected_ranking(scorer, QUERY, cut)}
+        for path in ("/v1/rerank", "/v2/rerank"):
+            body = {"query": QUERY, "documents": docs, "max_tokens_per_doc": n}
+            response = post(client, path, body)
+            assert response.status_code == 200, response.text
+            got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+            np.testing.assert_allclose(
+                [got[i] for i in range(3)], [expected[i] for i in range(3)], rtol=1e-4, atol=1e-7
+            )

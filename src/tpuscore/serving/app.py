@@ -322,8 +322,10 @@ class Service:
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
         computes it, or on a classification model the relevant class's probability; `top_n` null
-        or 0 returns every document (vLLM's default is 0). With fit, each document is also cut
-        to what fits beside the query (Cohere's v2 behaviour) instead of failing
+        or 0 returns every document (vLLM's default is 0). max_tokens_per_doc cuts each
+        document to the text of its first that many tokens, counted on the document alone (the
+        template's words around it are not the document's). With fit, each rendered document is
+        also cut to what fits beside the query (Cohere's v2 behaviour) instead of failing
         sequence_too_long."""
         docs = body.documents
         validation.check_size(
@@ -338,16 +340,21 @@ class Service:
         )
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
-        max_tokens = body.max_tokens_per_doc
-        if fit and self.scorer.tokenizer is not None:
+        tokenizer, max_tokens, texts = self.scorer.tokenizer, None, docs
+        if fit and tokenizer is not None:
             room = await asyncio.to_thread(self.room_beside, query)
             if room >= 1:  # else the query alone is too long: sequence_too_long says so
-                max_tokens = room if max_tokens is None else min(max_tokens, room)
+                max_tokens = room
+        if body.max_tokens_per_doc is not None and tokenizer is not None:
+            # The document's own tokens, not the template's words around it.
+            texts = await asyncio.to_thread(
+                tokenization.cut_to_tokens, tokenizer, docs, body.max_tokens_per_doc
+            )
         try:
             result = await self.scored(
                 request,
                 query=query,
-                items=[t.render_item(doc) for doc in docs],
+                items=[t.render_item(text) for text in texts],
                 labels=self.labels,
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
