@@ -539,27 +539,39 @@ def test_allowed_hosts_refuse_a_foreign_host_header(scorer):
 
     assert guards.default_allowed_hosts("127.0.0.1") == list(guards.LOOPBACK_HOSTS)
     assert guards.default_allowed_hosts("::1") == list(guards.LOOPBACK_HOSTS)
+    assert guards.default_allowed_hosts("127.0.0.2") == [*guards.LOOPBACK_HOSTS, "127.0.0.2"]
     assert guards.default_allowed_hosts("0.0.0.0") is None
     assert (
         guards.host_name("[::1]:8000") == "::1" and guards.host_name("LocalHost:80") == "localhost"
     )
-    app = server.create_app(
-        scorer, rerank_template=TEMPLATE, allowed_hosts=guards.default_allowed_hosts("127.0.0.1")
-    )
-    running = ServerThread(app)
-    try:
-        with httpx.Client(base_url=running.url, timeout=TIMEOUT) as c:
-            assert c.get("/health").status_code == 200  # Host: 127.0.0.1:port
-            assert c.get("/health", headers={"host": "localhost"}).status_code == 200
-            for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
-                refused = c.post(
-                    "/v1/score",
-                    json={"query": [1], "items": [[2]], "label_token_ids": [3]},
-                    headers={"host": host},
-                )
-                assert refused.status_code == 400 and refused.json()["code"] == "invalid_host"
-    finally:
-        running.stop()
+    foreign = ("evil.example", "evil.example:80", "127.0.0.1.evil.example")
+    # (allowed_hosts, bind address, hosts answered, hosts refused). The default applies to
+    # create_app used directly (it had no guard), and a server answers to the address it is
+    # bound to (on 127.0.0.2 it refused its own Host header).
+    cases = [
+        (None, "127.0.0.1", ("localhost", "127.0.0.1", "[::1]:1"), foreign),
+        (None, "127.0.0.2", ("127.0.0.2", "localhost"), (*foreign, "127.0.0.3")),
+        (["scorer.internal"], "127.0.0.2", ("scorer.internal", "127.0.0.2"), ("localhost",)),
+        (["*"], "127.0.0.1", foreign, ()),
+    ]
+    for allowed, bind, answered, refused in cases:
+        app = server.create_app(scorer, rerank_template=TEMPLATE, allowed_hosts=allowed)
+        running = ServerThread(app, host=bind)
+        try:
+            with httpx.Client(base_url=running.url, timeout=TIMEOUT) as c:
+                assert c.get("/health").status_code == 200  # Host: the bind address and port
+                for host in answered:
+                    assert c.get("/health", headers={"host": host}).status_code == 200, host
+                for host in refused:
+                    response = c.post(
+                        "/v1/score",
+                        json={"query": [1], "items": [[2]], "label_token_ids": [3]},
+                        headers={"host": host},
+                    )
+                    assert response.status_code == 400, (allowed, bind, host)
+                    assert response.json()["code"] == "invalid_host"
+        finally:
+            running.stop()
 
 
 @pytest.mark.slow  # about a minute here: 16 MiB of text tokenized and 16M token ids checked
@@ -672,7 +684,7 @@ def test_serve_flags_set_the_deadline_and_the_allowed_hosts(default_model_path, 
     served = []
     monkeypatch.setattr(server, "run", lambda app, **kwargs: served.append((app, kwargs)))
     for flags, hosts in (
-        ([], list(guards.LOOPBACK_HOSTS)),
+        ([], None),  # AllowedHosts' default: the loopback names on a loopback address
         (["--allowed-hosts", "scorer.internal, 10.0.0.5"], ["scorer.internal", "10.0.0.5"]),
         (["--host", "0.0.0.0"], None),
     ):
@@ -681,8 +693,8 @@ def test_serve_flags_set_the_deadline_and_the_allowed_hosts(default_model_path, 
         batcher = app.state.service.batcher
         try:
             assert batcher.request_timeout_s == 2.5
-            guard = [m for m in app.user_middleware if m.cls is guards.AllowedHosts]
-            assert (guard[0].kwargs["hosts"] if guard else None) == hosts
+            (guard,) = [m for m in app.user_middleware if m.cls is guards.AllowedHosts]
+            assert guard.kwargs["hosts"] == hosts
         finally:
             batcher.close()
 

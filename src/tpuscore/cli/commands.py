@@ -488,9 +488,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         batcher_options["max_pending"] = args.max_pending
     if args.request_timeout is not None:
         batcher_options["request_timeout_s"] = args.request_timeout
-    if args.allowed_hosts is None:
-        allowed_hosts = server.guards.default_allowed_hosts(args.host)
-    else:
+    allowed_hosts = None  # the loopback names and the address itself on a loopback address
+    if args.allowed_hosts is not None:
         allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     try:
         app = server.create_app(

@@ -659,11 +659,13 @@ def create_app(
     rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
     builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
-    to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
-    `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
-    `tpuscore serve` does). limits bound each request's size (`RequestLimits`' defaults unless
-    given; max_items, if given, replaces its max_items). Raises ValueError for an unknown template
-    name or a limit below 1."""
+    to share, which the caller closes.
+
+    allowed_hosts: the Host names it answers besides the address a connection reached, others
+    get 400 `invalid_host`; default (None): on a loopback address the loopback names, on
+    another any (`guards.AllowedHosts`). limits bound each request's size (`RequestLimits`'
+    defaults unless given; max_items, if given, replaces its max_items). Raises ValueError for
+    an unknown template name or a limit below 1."""
     limits = limits or RequestLimits()
     if max_items is not None:
         limits = attrs.evolve(limits, max_items=max_items)
@@ -735,8 +737,7 @@ def create_app(
     app.add_exception_handler(guards.ClientDisconnected, client_left)
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(CountedAndGuarded, metrics=service.metrics, counted=counted)
-    if allowed_hosts is not None:
-        app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
+    app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     app.openapi = _without_422(app)
     return app
 
