@@ -14,7 +14,8 @@ them, `GET /docs` shows them):
 
 The wire format is `serving/protocol.py`'s models; this module wires them to the library. A
 handler is thin: FastAPI parses the body into its model, the handler calls the Batcher and
-builds the response model. Errors become tpuscore's error body in one place each: a request
+builds the response model. Errors become an error body in the endpoint's dialect
+(`dialects.py`: vLLM's, SGLang's, Cohere's), in one place each: a request
 that fails its model (`RequestValidationError`), one the library refuses (`ValidationError`), a
 full queue (`Overloaded`: 503 with Retry-After), a request past its deadline
 (`DeadlineExceeded`: 504), a client that left (`ClientDisconnected`: counted as 499, logged at
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,8 +58,9 @@ from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
-from tpuscore.serving import guards, protocol
+from tpuscore.serving import dialects, guards, protocol
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
+from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
 from tpuscore.tasks import ranking
 
@@ -70,6 +70,8 @@ T = TypeVar("T")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = RequestLimits().max_items
+# The paths that take SGLang's and vLLM's score bodies, and answer in the body's dialect.
+SCORE_PATHS = ("/v1/score", "/score")
 # A request past a size bound (`RequestLimits`) is well formed but more than this server takes.
 SIZE_CODES = frozenset(
     {"too_many_items", "too_many_labels", "too_many_scores", "too_many_queries"}
@@ -81,28 +83,6 @@ RETRY_AFTER_S = 1
 # The library calls a rerank's documents `items`; its errors name them as the wire does.
 RERANK_PARAMS = {"items": "documents"}
 
-# A `param` longer than this (a field name is the caller's: an unknown one may be any length) is
-# cut as a message's values are.
-MAX_PARAM = 200
-ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
-
-
-def error_response(
-    status: int,
-    code: str,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    """tpuscore's error body: {object, message, type, param, code}."""
-    body = protocol.ErrorBody(
-        message=message,
-        type=ERROR_TYPES.get(status, "invalid_request_error"),
-        param=param if param is None or len(param) <= MAX_PARAM else short(param),
-        code=code,
-    )
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
 
 class ApiError(HTTPException):
     """An HTTP error the server raises itself, with its tpuscore code and param."""
@@ -110,14 +90,6 @@ class ApiError(HTTPException):
     def __init__(self, status: int, code: str, message: str, param: str | None = None):
         super().__init__(status, message)
         self.code, self.param = code, param
-
-
-class JSONResponse(starlette.responses.JSONResponse):
-    """JSON with ASCII escapes (any str survives, lone surrogates too) and no NaN or Infinity:
-    a non-finite score is a bug to report as a 500, not invalid JSON to send."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
 def model_name(model: str | None) -> str:
@@ -383,7 +355,9 @@ class Service:
     async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
         """SGLang's or vLLM's score request, told apart by their fields."""
         if isinstance(body, protocol.ScoreRequest):
+            dialects.speak(request.scope, "sglang")
             return await self.score(request, body)
+        dialects.speak(request.scope, "vllm")
         return await self.score_pairs(request, body)
 
     async def score_pairs(
@@ -548,22 +522,27 @@ def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationEr
 
 async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
     """A body that fails its model: the first error, as tpuscore's code and param."""
-    code, param, message = protocol.error_fields(exc.errors()[0])
-    return error_response(400, code, message, param)
+    error = exc.errors()[0]
+    loc = error.get("loc") or ()
+    if len(loc) > 1 and loc[1] in protocol.VLLM_SHAPES:  # the score body's shape tag
+        dialects.speak(request.scope, "vllm")
+    code, param, message = protocol.error_fields(error)
+    return dialects.error_response(request.scope, 400, code, message, param)
 
 
 async def input_refused(request: Request, exc: ValidationError) -> Response:
     """400, or 413 for a request past a size bound."""
-    return error_response(413 if exc.code in SIZE_CODES else 400, exc.code, str(exc), exc.param)
+    status = 413 if exc.code in SIZE_CODES else 400
+    return dialects.error_response(request.scope, status, exc.code, str(exc), exc.param)
 
 
 async def overloaded(request: Request, exc: Overloaded) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)}
-    return error_response(503, "overloaded", str(exc), headers=headers)
+    return dialects.error_response(request.scope, 503, "overloaded", str(exc), headers=headers)
 
 
 async def deadline_exceeded(request: Request, exc: DeadlineExceeded) -> Response:
-    return error_response(504, "deadline_exceeded", str(exc))
+    return dialects.error_response(request.scope, 504, "deadline_exceeded", str(exc))
 
 
 async def client_left(request: Request, exc: guards.ClientDisconnected) -> Response:
@@ -572,20 +551,24 @@ async def client_left(request: Request, exc: guards.ClientDisconnected) -> Respo
     return Response(status_code=guards.CLIENT_CLOSED)
 
 
-def foreign_host(host: str) -> Response:
+def foreign_host(host: str, scope: Scope) -> Response:
     message = (
         f"this server does not answer to the host {short(host)}; "
         "start it with --allowed-hosts naming it (or '*')"
     )
-    return error_response(400, "invalid_host", message, "Host")
+    return dialects.error_response(scope, 400, "invalid_host", message, "Host")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     if isinstance(exc, ApiError):
-        return error_response(exc.status_code, exc.code, exc.detail, exc.param)
+        return dialects.error_response(
+            request.scope, exc.status_code, exc.code, exc.detail, exc.param
+        )
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(exc.status_code, code, message, headers=exc.headers)
+    return dialects.error_response(
+        request.scope, exc.status_code, code, message, headers=exc.headers
+    )
 
 
 class CountedAndGuarded:
@@ -616,7 +599,8 @@ class CountedAndGuarded:
             if status is not None:  # the answer has begun: nothing else can be sent
                 raise
             message = f"internal error ({type(e).__name__}); the server log has the details"
-            await error_response(500, "internal_error", message)(scope, receive, sending)
+            answer = dialects.error_response(scope, 500, "internal_error", message)
+            await answer(scope, receive, sending)
         route = scope.get("route")
         path = getattr(route, "path", None)
         if path in self.counted and scope["method"] in getattr(route, "methods", ()):
@@ -624,22 +608,6 @@ class CountedAndGuarded:
 
 
 # -- the app --------------------------------------------------------------------------------------
-
-ERROR_CONTENT = {"model": protocol.ErrorBody}
-POST_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {**ERROR_CONTENT, "description": "a bad request; `code` says why (docs/serving.md)"},
-    413: {
-        **ERROR_CONTENT,
-        "description": "the body is larger than --max-body-bytes, or the request is past a "
-        "size bound (--max-items, --max-labels, ...; `code` says which)",
-    },
-    503: {
-        **ERROR_CONTENT,
-        "description": "the queue is full; retry after Retry-After seconds",
-        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
-    },
-    504: {**ERROR_CONTENT, "description": "not scored within the request's deadline"},
-}
 
 
 def create_app(
@@ -718,7 +686,9 @@ def create_app(
             handler,
             methods=["POST"],
             response_model=model,
-            responses=POST_ERRORS,
+            responses=dialects.documented_errors(
+                ("sglang", "vllm") if path in SCORE_PATHS else dialects.DIALECT_BY_PATH[path]
+            ),
             route_class_override=JsonBodyRoute,
         )
     app.add_api_route("/health", service.health, methods=["GET"], response_model=protocol.Health)

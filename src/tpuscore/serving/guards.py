@@ -137,14 +137,14 @@ def default_allowed_hosts(bind_host: str) -> list[str] | None:
 
 class AllowedHosts:
     """ASGI middleware: an HTTP request whose Host header (port aside) is not allowed gets
-    `refuse(host)`, a response; lifespan and other scopes pass.
+    `refuse(host, scope)`, a response; lifespan and other scopes pass.
 
     Allowed: the address the connection reached (the ASGI scope's `server`: a Host naming the
     very address the client connected to cannot be a rebinding page's), and `hosts`, or with
     hosts None, `default_allowed_hosts` of that address: the loopback names on a loopback
     address, any host on another. `*` in hosts allows any host."""
 
-    def __init__(self, app: Any, hosts: Collection[str] | None, refuse: Callable[[str], Any]):
+    def __init__(self, app: Any, hosts: Collection[str] | None, refuse: Callable[[str, dict], Any]):
         self.app = app
         self.hosts = None if hosts is None else {h.lower().strip("[]") for h in hosts}
         self.refuse = refuse
@@ -153,7 +153,7 @@ class AllowedHosts:
         if scope["type"] == "http":
             host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
             if not self.allows(host, scope):
-                await self.refuse(host)(scope, receive, send)
+                await self.refuse(host, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -456,6 +456,7 @@ AnyScoreRequest = Annotated[
     pydantic.Discriminator(_score_shape),
 ]
 SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous"})
+VLLM_SHAPES = frozenset({"text", "queries", "data"})
 
 
 class TokenizeRequest(WireRequest):
@@ -638,13 +639,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    """Every error: `code` is a stable string to branch on, `param` names the offending field."""
-
-    object: Literal["error"] = "error"
-    message: str
-    type: str
-    param: str | None
-    code: str
