@@ -346,7 +346,13 @@ DIALECT_ERRORS = [
     ("/tokenize", {"prompt": 1}, 400, VllmErrorResponse, "invalid_argument"),
     ("/detokenize", {"tokens": [10**6]}, 400, VllmErrorResponse, "token_id_exceeds_vocab"),
     ("/rerank", {"query": "x", "documents": ["a", 3]}, 400, VllmErrorResponse, "invalid_documents"),
-    ("/v1/rerank", {"query": "x", "documents": ["a"], "top_n": "x"}, 400, VllmErrorResponse, "invalid_argument"),
+    (
+        "/v1/rerank",
+        {"query": "x", "documents": ["a"], "top_n": "x"},
+        400,
+        VllmErrorResponse,
+        "invalid_argument",
+    ),
     (
         "/v2/rerank",
         {"query": "x", "documents": ["a"], "top_n": -1},
