@@ -23,6 +23,7 @@ CASE = "qwen3_qknorm"
 MAX_BODY_BYTES = 128 << 10
 MAX_ITEMS = 8
 EXAMPLES_PER_OPERATION = 12
+STATEFUL_EXAMPLES = 8
 REQUEST_TIMEOUT_S = 60
 # The fuzz run's time bound: examples drawn after it are not sent. The run takes about a minute
 # on a 2-core machine busy with other jobs.
@@ -158,3 +159,30 @@ def test_schemathesis_finds_no_undocumented_answer(case, url, client, fuzz_deadl
     if case.path != "/metrics":
         assert isinstance(response.json(), dict)
     assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_schemathesis_stateful_over_the_whole_schema(api_schema, url, client):
+    """schemathesis' state machine over every operation of the schema (sequences of calls, not
+    one at a time): every answer is a documented status with a conforming body, never a 500,
+    and the server stays healthy after the run."""
+    machine = api_schema.as_state_machine()
+    answered = []
+
+    class Bounded(machine):
+        def validate_response(self, response, case, **kwargs):
+            answered.append((case.path, response.status_code))
+            assert response.status_code < 500, response.text
+            case.validate_response(response, excluded_checks=[positive_data_acceptance])
+
+    Bounded.run(
+        settings=settings(
+            max_examples=STATEFUL_EXAMPLES,
+            stateful_step_count=4,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+    )
+    assert client.get("/health").json()["status"] == "ok"
+    paths = {path for path, _ in answered}
+    assert len(answered) >= STATEFUL_EXAMPLES and {"/tokenize", "/detokenize"} <= paths, answered

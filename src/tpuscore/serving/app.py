@@ -712,9 +712,38 @@ def create_app(
     return app
 
 
+# OpenAPI links: where one answer's values feed another request (schemathesis' stateful runs
+# follow them). (path, method) -> {link name: (target path, its method, request body)}.
+LINKS = {
+    ("/tokenize", "post"): {
+        "Detokenize": ("/detokenize", "post", {"tokens": "$response.body#/tokens"}),
+        "ScoreTheTokens": (
+            "/v1/score",
+            "post",
+            {"query": "$response.body#/tokens", "items": [[1]], "label_token_ids": [1]},
+        ),
+    },
+    ("/detokenize", "post"): {
+        "Tokenize": ("/tokenize", "post", {"prompt": "$response.body#/prompt"}),
+        "Rerank": (
+            "/v1/rerank",
+            "post",
+            {"query": "$response.body#/prompt", "documents": ["$response.body#/prompt"]},
+        ),
+    },
+    ("/v1/models", "get"): {
+        "ScoreWithTheModel": (
+            "/score",
+            "post",
+            {"model": "$response.body#/data/0/id", "text_1": "q", "text_2": ["d"]},
+        ),
+    },
+}
+
+
 def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """app.openapi, less the 422 FastAPI documents for every body: a request that fails its
-    model gets a 400 with tpuscore's error body, documented as such."""
+    """app.openapi, less the 422 FastAPI documents for every body (a request that fails its
+    model gets a 400 with its dialect's error body, documented as such), plus `LINKS`."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -723,6 +752,15 @@ def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     operation["responses"].pop("422", None)
+            for (path, method), links in LINKS.items():
+                ok = schema["paths"][path][method]["responses"]["200"]
+                ok["links"] = {
+                    name: {
+                        "operationRef": "#/paths/" + target.replace("/", "~1") + "/" + verb,
+                        "requestBody": body,
+                    }
+                    for name, (target, verb, body) in links.items()
+                }
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
         return app.openapi_schema
