@@ -4,10 +4,13 @@ and its batcher are watched, and a refused request touches neither.
 """
 
 import json
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import ServerThread
 from test_server import TEMPLATE, Held, error_of
@@ -308,3 +311,52 @@ def test_an_nn_score_is_admitted_whole_or_refused_once(scorers):
         held.gate.set()
         running.stop()
     assert held.queries and not rendered & set(held.queries), held.queries
+
+
+# -- a property: answers and memory bounded by the request's size ------------------------------
+
+# The stated bounds (docs/serving.md, "Request size bounds"): an answer is at most
+# ANSWER_BASE + ANSWER_PER_SCORE bytes per score it holds, and an error at most ERROR_BYTES,
+# whatever the request; the Python memory a request takes to answer is at most
+# MEMORY_BASE + MEMORY_PER_BYTE per byte of its body.
+ANSWER_BASE, ANSWER_PER_SCORE, ERROR_BYTES = 512, 32, 1500
+MEMORY_BASE, MEMORY_PER_BYTE = 4 << 20, 64
+
+
+@st.composite
+def score_requests(draw):
+    """/v1/score bodies inside and past LIMITS: items, labels and lengths drawn on both sides of
+    every bound (token ids, so the model's shapes stay few)."""
+    ids = st.integers(1, 60)
+    n_items = draw(st.sampled_from([1, 2, LIMITS.max_items, LIMITS.max_items + 1, 200]))
+    n_labels = draw(st.sampled_from([1, 2, LIMITS.max_labels, LIMITS.max_labels + 1, 20_000]))
+    length = draw(st.sampled_from([1, 3, LIMITS.max_length + 1]))
+    return {
+        "query": draw(st.lists(ids, min_size=1, max_size=4)),
+        "items": [[draw(ids)] * length for _ in range(n_items)],
+        "label_token_ids": [draw(ids)] * n_labels,
+        "apply_softmax": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=score_requests())
+def test_answers_and_memory_are_bounded_by_the_request(client, body):
+    content = json.dumps(body).encode()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        response = client.post(
+            "/v1/score", content=content, headers={"content-type": "application/json"}
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    scores = len(body["items"]) * len(body["label_token_ids"])
+    if response.status_code == 200:
+        assert scores <= LIMITS.max_scores
+        assert len(response.content) <= ANSWER_BASE + ANSWER_PER_SCORE * scores
+    else:
+        assert response.status_code in (400, 413), response.text
+        assert len(response.content) <= ERROR_BYTES
+    assert peak <= MEMORY_BASE + MEMORY_PER_BYTE * len(content), (peak, len(content))
