@@ -480,6 +480,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port {args.port} is not a port number (0..65535)")
     check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
     limits = parse_limits(args.warmup_limits)
+    request_bounds = request_limits(args)  # before the model loads, as the port check
     scorer = load_scorer(args)
     if args.warmup == "all":
         warm_shape_set(scorer, limits)
@@ -497,7 +498,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or server.model_name(args.model),
             rerank_template=args.rerank_template,
             max_body_bytes=args.max_body_bytes,
-            limits=request_limits(args),
+            limits=request_bounds,
             batcher_options=batcher_options,
             allowed_hosts=allowed_hosts,
         )
