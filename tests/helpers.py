@@ -96,10 +96,12 @@ class SpyBackend(PerGroupBackend):
 
 
 class ServerThread:
-    """uvicorn serving `app` from a thread on 127.0.0.1, on a port the OS picked; stopped by
-    `stop()`, which drains like SIGTERM does (uvicorn's should_exit)."""
+    """uvicorn serving `app` from a thread on `host` (127.0.0.1), on a port the OS picked;
+    stopped by `stop()`, which drains like SIGTERM does (uvicorn's should_exit)."""
 
-    def __init__(self, app, *, timeout_graceful_shutdown: float | None = None):
+    def __init__(
+        self, app, *, timeout_graceful_shutdown: float | None = None, host: str = "127.0.0.1"
+    ):
         import socket
         import threading
 
@@ -113,8 +115,8 @@ class ServerThread:
                 ready.set()
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind((host, 0))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
         config = uvicorn.Config(
             app,
             log_level="warning",

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from test_server import TEMPLATE, ServerThread
+from test_server import TEMPLATE, ServerThread, error_of
 from tpuscore.api.requests import ScoreOptions
 from tpuscore.serving import app as server
 from tpuscore.serving import protocol
@@ -22,6 +22,7 @@ CASE = "qwen3_qknorm"
 MAX_BODY_BYTES = 128 << 10
 MAX_ITEMS = 8
 EXAMPLES_PER_OPERATION = 12
+STATEFUL_EXAMPLES = 8
 REQUEST_TIMEOUT_S = 60
 ENDPOINTS = {
     ("/v1/score", "post"),
@@ -105,7 +106,7 @@ def test_score_options_come_from_score_options(client):
 def test_deeply_nested_json_is_a_400(client, path, body):
     response = client.post(path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
-    assert response.json()["object"] == "error"
+    assert error_of(response)[0] == "invalid_json"
     assert client.get("/health").status_code == 200
 
 
@@ -113,11 +114,10 @@ def test_library_errors_name_the_rerank_field(client):
     """The library calls a rerank's documents `items`; its errors name the wire's field."""
     content = json.dumps({"query": "x", "documents": ["a", "\ud800 b"]}).encode()
     response = client.post(
-        "/v2/rerank", content=content, headers={"content-type": "application/json"}
+        "/v1/rerank", content=content, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400, response.text
-    error = response.json()
-    assert (error["code"], error["param"]) == ("invalid_text", "documents[1]")
+    assert error_of(response) == ("invalid_text", "documents[1]")
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,30 @@ def test_schemathesis_finds_no_undocumented_answer(case, url, client):
     if case.path != "/metrics":  # TEI's /rerank and /tokenize answer a JSON list
         assert isinstance(response.json(), dict | list)
     assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_schemathesis_stateful_over_the_whole_schema(api_schema, url, client):
+    """schemathesis' state machine over every operation of the schema (sequences of calls, not
+    one at a time): every answer is a documented status with a conforming body, never a 500,
+    and the server stays healthy after the run."""
+    machine = api_schema.as_state_machine()
+    answered = []
+
+    class Bounded(machine):
+        def validate_response(self, response, case, **kwargs):
+            answered.append((case.path, response.status_code))
+            assert response.status_code < 500, response.text
+            case.validate_response(response, excluded_checks=[positive_data_acceptance])
+
+    Bounded.run(
+        settings=settings(
+            max_examples=STATEFUL_EXAMPLES,
+            stateful_step_count=4,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+    )
+    assert client.get("/health").json()["status"] == "ok"
+    paths = {path for path, _ in answered}
+    assert len(answered) >= STATEFUL_EXAMPLES and {"/tokenize", "/detokenize"} <= paths, answered

@@ -97,7 +97,7 @@ def test_server_scores_and_reranks_a_classification_model(scorers):
                 np.testing.assert_allclose(got.json()["scores"], expected, rtol=1e-5, atol=1e-6)
             refused = client.post("/v1/score", json=body | {"label_token_ids": [1]})
             assert refused.status_code == 400
-            assert refused.json()["code"] == "labels_on_classification_model"
+            assert refused.headers["x-error-code"] == "labels_on_classification_model"
             docs = ["a fox", "the market", "a river", "rotary embeddings"]
             ranked = client.post("/v1/rerank", json={"query": "fox?", "documents": docs})
             assert ranked.status_code == 200, ranked.text

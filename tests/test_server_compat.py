@@ -7,9 +7,10 @@ here, each citing the peer file it comes from.
 import json
 
 import numpy as np
+import pydantic
 import pytest
 
-from test_server import DOCS, MODEL_NAME, QUERY, TEMPLATE, client, post, scorer, url  # noqa: F401
+from test_server import DOCS, MODEL_NAME, QUERY, TEMPLATE, client, error_of, post, scorer, url  # noqa: F401
 
 # vLLM's ScoreResponse / ScoreResponseData fields (vllm/entrypoints/pooling/score/protocol.py).
 VLLM_SCORE_KEYS = {"id", "object", "created", "model", "data", "usage"}
@@ -116,21 +117,20 @@ def test_sglang_score_is_unchanged_at_both_paths(client, scorer):  # noqa: F811
 def test_vllm_score_errors(client, body, code, param, words):  # noqa: F811
     response = post(client, "/score", body)
     assert response.status_code == 400, response.text
-    error = response.json()
-    assert (error["code"], error["param"]) == (code, param), error
-    assert all(w in error["message"] for w in words), error
+    assert error_of(response) == (code, param), response.text
+    assert all(w in response.json()["error"]["message"] for w in words), response.text
 
 
 def test_library_errors_name_the_vllm_field(client):  # noqa: F811
     content = json.dumps({"text_1": "x", "text_2": ["a", "\ud800 b"]}).encode()
     response = client.post("/score", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
-    assert (response.json()["code"], response.json()["param"]) == ("invalid_text", "text_2[1]")
+    assert (error_of(response)[0], error_of(response)[1]) == ("invalid_text", "text_2[1]")
     # N:N: the index is the pair's, not its position among its query's documents.
     body = {"text_1": ["x", "y"], "text_2": ["a", "\ud800 b"]}
     content = json.dumps(body).encode()
     response = client.post("/score", content=content, headers={"content-type": "application/json"})
-    assert (response.json()["code"], response.json()["param"]) == ("invalid_text", "text_2[1]")
+    assert (error_of(response)[0], error_of(response)[1]) == ("invalid_text", "text_2[1]")
 
 
 # vLLM's /tokenize and /detokenize: tests/entrypoints/openai/test_tokenization.py asserts
@@ -172,7 +172,7 @@ def test_tokenize_token_strs_and_errors(client, scorer):  # noqa: F811
     for path, request, code, param in cases:
         response = post(client, path, request)
         assert response.status_code == 400, (path, request, response.text)
-        assert (response.json()["code"], response.json()["param"]) == (code, param)
+        assert (error_of(response)[0], error_of(response)[1]) == (code, param)
 
 
 OBJECT_DOCS = [
@@ -237,7 +237,7 @@ def test_cohere_v2_client_text_documents(url, scorer):  # noqa: F811
 def test_object_document_errors(client, body, code, param):  # noqa: F811
     response = post(client, "/v1/rerank", body)
     assert response.status_code == 400, response.text
-    assert (response.json()["code"], response.json()["param"]) == (code, param)
+    assert (error_of(response)[0], error_of(response)[1]) == (code, param)
 
 
 def test_vllm_rerank_fields(client, scorer):  # noqa: F811
@@ -264,3 +264,126 @@ def test_vllm_rerank_fields(client, scorer):  # noqa: F811
     assert [r["document"]["text"] for r in rerank["results"]] == [DOCS[r.index] for r in expected]
     scores = [r["relevance_score"] for r in rerank["results"]]
     assert scores == sorted(scores, reverse=True)
+
+
+# -- errors in each peer's shape ----------------------------------------------------------------
+
+
+class VllmErrorInfo(pydantic.BaseModel):
+    """vLLM's ErrorInfo, as vllm/entrypoints/openai/protocol.py declares it."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class VllmErrorResponse(pydantic.BaseModel):
+    """vLLM's ErrorResponse (vllm/entrypoints/openai/protocol.py): `code` is the status."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    error: VllmErrorInfo
+
+
+class SglangErrorResponse(pydantic.BaseModel):
+    """SGLang's ErrorResponse (python/sglang/srt/entrypoints/openai/protocol.py)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    object: str = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class CohereError(pydantic.BaseModel):
+    """Cohere's error body: its message (cohere's Python client raises ApiError(body=...))."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    message: str
+
+
+DIALECT_ERRORS = [
+    # (path, body, status, peer model, tpuscore code)
+    (
+        "/v1/score",
+        {"query": "x", "items": ["a"], "label_token_ids": [10**6]},
+        400,
+        SglangErrorResponse,
+        "token_id_exceeds_vocab",
+    ),
+    (
+        "/v1/score",
+        {"query": "x", "items": ["a"] * 65, "label_token_ids": [1]},
+        413,
+        SglangErrorResponse,
+        "too_many_items",
+    ),
+    (
+        "/v1/score",
+        {"query": "x", "items": ["a"], "foo": 1},
+        400,
+        SglangErrorResponse,
+        "unknown_field",
+    ),
+    (
+        "/v1/score",
+        {"text_1": "x", "text_2": ["a"], "foo": 1},
+        400,
+        VllmErrorResponse,
+        "unknown_field",
+    ),
+    ("/score", {"text_1": "x", "text_2": [1]}, 400, VllmErrorResponse, "invalid_argument"),
+    ("/score", {"queries": "x", "documents": ["a"] * 65}, 413, VllmErrorResponse, "too_many_items"),
+    (
+        "/score",
+        {"query": "x", "items": ["a"], "label_token_ids": [10**6]},
+        400,
+        SglangErrorResponse,
+        "token_id_exceeds_vocab",
+    ),
+    ("/tokenize", {"prompt": 1}, 400, VllmErrorResponse, "invalid_argument"),
+    ("/detokenize", {"tokens": [10**6]}, 400, VllmErrorResponse, "token_id_exceeds_vocab"),
+    ("/rerank", {"query": "x", "documents": ["a", 3]}, 400, VllmErrorResponse, "invalid_documents"),
+    (
+        "/v1/rerank",
+        {"query": "x", "documents": ["a"], "top_n": "x"},
+        400,
+        VllmErrorResponse,
+        "invalid_argument",
+    ),
+    (
+        "/v2/rerank",
+        {"query": "x", "documents": ["a"], "top_n": -1},
+        400,
+        CohereError,
+        "invalid_argument",
+    ),
+    ("/v2/rerank", {"query": "x", "documents": ["a"] * 65}, 413, CohereError, "too_many_items"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "model", "code"),
+    DIALECT_ERRORS,
+    ids=[f"{c[0]}-{c[4]}" for c in DIALECT_ERRORS],
+)
+def test_each_dialect_answers_errors_in_its_shape(client, path, body, status, model, code):  # noqa: F811
+    """An error parses as the peer's own error model (declared here from the peer's source,
+    strict and closed), its status where the peer has one, tpuscore's code in X-Error-Code."""
+    response = post(client, path, body)
+    assert response.status_code == status, response.text
+    error = model.model_validate(response.json())
+    if isinstance(error, VllmErrorResponse):
+        assert error.error.code == status and error.error.type and error.error.message
+    elif isinstance(error, SglangErrorResponse):
+        assert error.code == status and error.object == "error" and error.message
+    assert response.headers["x-error-code"] == code
+    assert error_of(response)[0] == code
+
+
+def test_paths_outside_the_dialects_answer_tpuscore_errors(client):  # noqa: F811
+    response = client.get("/nowhere")
+    assert response.status_code == 404
+    assert response.json()["code"] == "not_found" == response.headers["x-error-code"]

@@ -3,16 +3,21 @@
 `ScoreOptions` is the one declaration of a score request's options (everything but the query and
 the items). `Scorer.score`, `prepare`, `plan`, `rank` and `score_batch`, validation, the CLI and
 the server's wire schemas all take their option names, defaults and documentation from it.
+`RequestLimits` is the one declaration of how large one request may be (the server's bounds and
+`tpuscore serve`'s flags).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import attrs
 
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 
 Truncate = Literal["right", "left"]  # right keeps an item's first tokens, left its last
 TRUNCATE_SIDES = get_args(Truncate)
@@ -61,10 +66,68 @@ class ScoreOptions:
             prefix = f"{where}: " if where else ""
             raise ValidationError(
                 "invalid_argument",
-                f"{prefix}unknown argument(s) {unknown}; allowed: {', '.join(SCORE_ARGUMENTS)}",
+                f"{prefix}unknown argument(s) {short(unknown)}; "
+                f"allowed: {', '.join(SCORE_ARGUMENTS)}",
                 f"{where}.{unknown[0]}" if where else str(unknown[0]),
             )
         return cls(**options)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """name -> text of the "Attributes:" section of a Google-style class docstring."""
+    docs: dict[str, str] = {}
+    doc = inspect.getdoc(cls) or ""
+    section = doc.split("Attributes:\n", 1)[1] if "Attributes:\n" in doc else ""
+    name = None
+    for line in section.splitlines():
+        if match := re.fullmatch(r"    (\w+): (.*)", line):
+            name = match[1]
+            docs[name] = match[2]
+        elif line.startswith("        ") and name is not None:
+            docs[name] += " " + line.strip()
+        else:
+            break
+    return docs
+
+
+def _at_least_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RequestLimits:
+    """How large one request may be: every dimension a caller controls, each bounded, each
+    checked on the request as sent (`tpuscore.api.validation.check_size`), before any
+    tokenization or device work, so a refused request costs a pass over its lengths.
+
+    A "length" is a text's characters or a token-id list's ids. A text encodes to at most about
+    one token per UTF-8 byte (four per character) with the byte-level tokenizers tpuscore
+    loads, so character bounds bound the tokens too; the model's own context length is checked
+    after tokenization (`sequence_too_long`).
+
+    Attributes:
+        max_items: items of a score request, documents of a rerank, pairs of a vLLM score.
+        max_labels: labels of a request (label_token_ids or labels); a repeated label counts
+            each time it appears, since it is scored and answered each time.
+        max_scores: items times labels: the scores one answer holds.
+        max_length: the length of any one query, item, document, label, suffix, instruction or
+            prompt (characters of text, or token ids).
+        max_total_length: the lengths of all of a request's values together.
+        max_queries: distinct queries of one vLLM N:N score request (each is scored as a request
+            of its own, so the batcher's max_pending bounds it too).
+    """
+
+    max_items: int = attrs.field(default=4096, validator=_at_least_one)
+    max_labels: int = attrs.field(default=256, validator=_at_least_one)
+    max_scores: int = attrs.field(default=1 << 18, validator=_at_least_one)
+    max_length: int = attrs.field(default=1 << 16, validator=_at_least_one)
+    max_total_length: int = attrs.field(default=1 << 21, validator=_at_least_one)
+    max_queries: int = attrs.field(default=64, validator=_at_least_one)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in attrs.fields(cls))
 
 
 # A score request's arguments: the query and items (required), then its options.

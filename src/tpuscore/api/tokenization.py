@@ -31,3 +31,16 @@ def encode_suffix(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
     """An item suffix, tokenized once on its own and appended to every item's tokens: the
     items' tokens then end the same way whatever they hold."""
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def cut_to_tokens(tokenizer: tokenizers.Tokenizer, texts: list[str], max_tokens: int) -> list[str]:
+    """Each text cut to the characters of its first max_tokens tokens, tokenized on its own
+    (as an item is, without special tokens). A text of at most max_tokens UTF-8 bytes cannot
+    have more tokens and is not tokenized."""
+    long = [i for i, text in enumerate(texts) if len(text.encode("utf-8")) > max_tokens]
+    cut = list(texts)
+    encodings = tokenizer.encode_batch([texts[i] for i in long], add_special_tokens=False)
+    for i, encoding in zip(long, encodings, strict=True):
+        if len(encoding.ids) > max_tokens:
+            cut[i] = texts[i][: encoding.offsets[max_tokens - 1][1]]
+    return cut

@@ -18,7 +18,14 @@ import tokenizers
 
 from tpuscore.api import tokenization
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import TRUNCATE_SIDES, LoglikelihoodRequest, ScoreOptions, ScoreRequest
+from tpuscore.api.messages import short
+from tpuscore.api.requests import (
+    TRUNCATE_SIDES,
+    LoglikelihoodRequest,
+    RequestLimits,
+    ScoreOptions,
+    ScoreRequest,
+)
 
 
 @attrs.frozen
@@ -61,7 +68,9 @@ def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
     ids = []
     for j, t in enumerate(value):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral):
-            raise ValidationError(code, f"{param}[{j}] must be an int token id, got {t!r}", param)
+            raise ValidationError(
+                code, f"{param}[{j}] must be an int token id, got {short(t)}", param
+            )
         t = int(t)
         if t < 0:
             raise ValidationError(
@@ -80,7 +89,9 @@ def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
 
 def _check_bool(value: Any, param: str) -> None:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValidationError("invalid_argument", f"{param} must be a bool, got {value!r}", param)
+        raise ValidationError(
+            "invalid_argument", f"{param} must be a bool, got {short(value)}", param
+        )
 
 
 def _labels(
@@ -93,7 +104,9 @@ def _labels(
     if labels is not None:
         if isinstance(labels, str) or not isinstance(labels, Sequence):
             raise ValidationError(
-                "invalid_label_token_ids", f"labels must be a list of str, got {labels!r}", "labels"
+                "invalid_label_token_ids",
+                f"labels must be a list of str, got {short(labels)}",
+                "labels",
             )
         if not labels:
             raise ValidationError("empty_label_token_ids", "labels is empty", "labels")
@@ -101,14 +114,16 @@ def _labels(
         for j, label in enumerate(labels):
             if not isinstance(label, str):
                 raise ValidationError(
-                    "invalid_label_token_ids", f"labels[{j}] must be a str, got {label!r}", "labels"
+                    "invalid_label_token_ids",
+                    f"labels[{j}] must be a str, got {short(label)}",
+                    "labels",
                 )
             check_text(label, f"labels[{j}]")
             tokens = tokenization.encode_label(_require(tokenizer, "labels"), label)
             if len(tokens) != 1:
                 raise ValidationError(
                     "multi_token_label",
-                    f"label {label!r} encodes to {len(tokens)} tokens {tokens}; "
+                    f"label {short(label)} encodes to {len(tokens)} tokens {short(tokens)}; "
                     "labels must be single tokens",
                     "labels",
                 )
@@ -121,7 +136,7 @@ def _labels(
     if not _is_token_list(label_token_ids):
         raise ValidationError(
             "invalid_label_token_ids",
-            f"label_token_ids must be a list of int token ids, got {label_token_ids!r}",
+            f"label_token_ids must be a list of int token ids, got {short(label_token_ids)}",
             "label_token_ids",
         )
     if len(label_token_ids) == 0:
@@ -280,13 +295,13 @@ def _input_kind(
     else:
         raise ValidationError(
             "invalid_query",
-            f"{query_name} must be a str or a list of int token ids, got {query!r}",
+            f"{query_name} must be a str or a list of int token ids, got {short(query)}",
             query_name,
         )
     if isinstance(items, (str, np.ndarray)) or not isinstance(items, Sequence):
         raise ValidationError(
             "invalid_items",
-            f"{items_name} must be a list of str or a list of token-id lists, got {items!r}",
+            f"{items_name} must be a list of str or a list of token-id lists, got {short(items)}",
             items_name,
         )
     for i, item in enumerate(items):
@@ -294,7 +309,7 @@ def _input_kind(
         if not item_text and not _is_token_list(item):
             raise ValidationError(
                 "invalid_items",
-                f"{items_name}[{i}] must be a str or a list of int token ids, got {item!r}",
+                f"{items_name}[{i}] must be a str or a list of int token ids, got {short(item)}",
                 item_param(i),
             )
         if item_text != text:
@@ -324,6 +339,18 @@ def check_text(value: str, param: str) -> None:
         ) from None
 
 
+def check_texts(values: Mapping[str, Any]) -> None:
+    """check_text on each named value that is a str, and on each str of a named list (named
+    `name[i]`); other values are left to their own checks."""
+    for name, value in values.items():
+        if isinstance(value, str):
+            check_text(value, name)
+        elif isinstance(value, list):
+            for i, text in enumerate(value):
+                if isinstance(text, str):
+                    check_text(text, f"{name}[{i}]")
+
+
 def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
     if max_item_tokens is not None and (
         isinstance(max_item_tokens, (bool, np.bool_))
@@ -332,13 +359,14 @@ def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
     ):
         raise ValidationError(
             "invalid_argument",
-            f"max_item_tokens must be an int >= 1 or None, got {max_item_tokens!r}",
+            f"max_item_tokens must be an int >= 1 or None, got {short(max_item_tokens)}",
             "max_item_tokens",
         )
     if not isinstance(truncate, str) or truncate not in TRUNCATE_SIDES:
         raise ValidationError(
             "invalid_argument",
-            f"truncate must be one of {', '.join(map(repr, TRUNCATE_SIDES))}, got {truncate!r}",
+            f"truncate must be one of {', '.join(map(repr, TRUNCATE_SIDES))}, "
+            f"got {short(truncate)}",
             "truncate",
         )
 
@@ -363,7 +391,7 @@ def _item_suffix(
     elif not _is_token_list(item_suffix):
         raise ValidationError(
             "invalid_argument",
-            f"item_suffix must be a str or a list of int token ids, got {item_suffix!r}",
+            f"item_suffix must be a str or a list of int token ids, got {short(item_suffix)}",
             "item_suffix",
         )
     return _token_ids(item_suffix, "item_suffix", "invalid_argument", vocab_size)
@@ -447,5 +475,79 @@ def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any,
     for name in ("query", "items"):
         if name not in request:
             what = where or "the request"
-            raise ValidationError("invalid_argument", f"{what} has no {name!r}", prefix + name)
+            raise ValidationError("invalid_argument", f"{what} has no {short(name)}", prefix + name)
     return request["query"], request["items"], options
+
+
+# -- request size -----------------------------------------------------------------------------
+
+
+def _length(value: Any) -> int:
+    """A value's length as `RequestLimits` counts it: a text's characters, a list's entries (a
+    token-id list's ids); 0 for anything else, which validation refuses later."""
+    return len(value) if isinstance(value, (str, list, tuple, np.ndarray)) else 0
+
+
+def label_count(labels: Any, label_token_ids: Any) -> int:
+    """The labels a request names, as sent (0 for none: a classification model's classes)."""
+    lists = [v for v in (labels, label_token_ids) if isinstance(v, (list, tuple, np.ndarray))]
+    return max(map(len, lists), default=0)
+
+
+def check_size(
+    limits: RequestLimits,
+    *,
+    items: tuple[str, Any],
+    values: Mapping[str, Any],
+    num_labels: int = 0,
+) -> None:
+    """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
+
+    items is (its name on the wire, its list); values the request's other texts or token-id
+    lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
+    too_many_scores, input_too_long (one value), request_too_large (all of them together)."""
+    name, entries = items
+    entries = [entries] if isinstance(entries, str) else entries
+    count = len(entries) if isinstance(entries, (list, tuple)) else 0
+    if count > limits.max_items:
+        raise ValidationError(
+            "too_many_items",
+            f"{name} has {count} entries; this server takes at most {limits.max_items}",
+            name,
+        )
+    if num_labels > limits.max_labels:
+        raise ValidationError(
+            "too_many_labels",
+            f"the request names {num_labels} labels; this server takes at most "
+            f"{limits.max_labels} (a repeated label counts each time)",
+            "labels",
+        )
+    if count * num_labels > limits.max_scores:
+        raise ValidationError(
+            "too_many_scores",
+            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; this server "
+            f"answers at most {limits.max_scores} per request",
+            name,
+        )
+    total = 0
+    named = [(f"{name}[{i}]", e) for i, e in enumerate(entries)] if count else []
+    for param, value in [*values.items(), *named]:
+        texts = isinstance(value, list) and value and isinstance(value[0], str)  # labels
+        parts = [(f"{param}[{j}]", v) for j, v in enumerate(value)] if texts else [(param, value)]
+        for param, part in parts:  # noqa: PLW2901 (a part is named as its own param)
+            length = _length(part)
+            if length > limits.max_length:
+                raise ValidationError(
+                    "input_too_long",
+                    f"{param} has length {length} (characters of text, or token ids); this "
+                    f"server takes at most {limits.max_length}",
+                    param,
+                )
+            total += length
+    if total > limits.max_total_length:
+        raise ValidationError(
+            "request_too_large",
+            f"the request's texts and token ids have length {total} in all; this server takes "
+            f"at most {limits.max_total_length}",
+            None,
+        )

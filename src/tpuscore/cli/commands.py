@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a tpuscore fit-calibration file: results also carry calibrated probabilities",
     )
     add("--max-body-bytes", type=int, default=16 << 20, help="largest request body (16 MiB)")
-    add("--max-items", type=int, default=4096, help="most items or documents per request")
+    add_request_limits(p)
     add(
         "--max-wait-ms",
         type=float,
@@ -530,6 +530,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.max_replicas is not None:
         return _run_serve_replicas(args, server)
     limits = parse_limits(args.warmup_limits)
+    request_bounds = request_limits(args)  # before the model loads, as the port check
     scorer = load_scorer(args)
     if args.warmup == "all":
         warm_shape_set(scorer, limits)
@@ -538,9 +539,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         batcher_options["max_pending"] = args.max_pending
     if args.request_timeout is not None:
         batcher_options["request_timeout_s"] = args.request_timeout
-    if args.allowed_hosts is None:
-        allowed_hosts = server.guards.default_allowed_hosts(args.host)
-    else:
+    allowed_hosts = None  # the loopback names and the address itself on a loopback address
+    if args.allowed_hosts is not None:
         allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     try:
         app = server.create_app(
@@ -548,7 +548,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or server.model_name(args.model),
             rerank_template=args.rerank_template,
             max_body_bytes=args.max_body_bytes,
-            max_items=args.max_items,
+            limits=request_bounds,
             batcher_options=batcher_options,
             allowed_hosts=allowed_hosts,
             metrics_names=args.metrics_names,
@@ -639,6 +639,31 @@ def _run_serve_replicas(args: argparse.Namespace, server) -> int:
     )
     serve.run(app, name="tpuscore", route_prefix="/", blocking=True)
     return 0
+
+
+def add_request_limits(parser: argparse.ArgumentParser) -> None:
+    """A flag per `RequestLimits` field (--max-items, --max-labels, ...), its default and help
+    from the declaration."""
+    from tpuscore.api.requests import RequestLimits, attribute_docs
+
+    docs = attribute_docs(RequestLimits)
+    for field in attrs.fields(RequestLimits):
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=int,
+            default=field.default,
+            help=f"{docs[field.name]} (default {field.default})",
+        )
+
+
+def request_limits(args: argparse.Namespace):
+    """The `RequestLimits` the flags give; InputError for a value below 1."""
+    from tpuscore.api.requests import RequestLimits
+
+    try:
+        return RequestLimits(**{name: getattr(args, name) for name in RequestLimits.names()})
+    except ValueError as e:
+        raise InputError(f"--{str(e).replace('_', '-')}") from None
 
 
 def parse_limits(text: str | None) -> dict[str, int]:

@@ -14,7 +14,8 @@ them, `GET /docs` shows them):
 
 The wire format is `serving/protocol.py`'s models; this module wires them to the library. A
 handler is thin: FastAPI parses the body into its model, the handler calls the Batcher and
-builds the response model. Errors become tpuscore's error body in one place each: a request
+builds the response model. Errors become an error body in the endpoint's dialect
+(`dialects.py`: vLLM's, SGLang's, Cohere's), in one place each: a request
 that fails its model (`RequestValidationError`), one the library refuses (`ValidationError`), a
 full queue (`Overloaded`: 503 with Retry-After), a request past its deadline
 (`DeadlineExceeded`: 504), a client that left (`ClientDisconnected`: counted as 499, logged at
@@ -33,16 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
-import starlette.responses
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,45 +55,37 @@ import tpuscore
 from tpuscore.api import templates, tokenization, validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
+from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
-from tpuscore.serving import completions, guards, protocol, tei
+from tpuscore.serving import completions, dialects, guards, protocol, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
+from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics, MetricsNames
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import ranking
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-DEFAULT_MAX_ITEMS = 4096
+DEFAULT_MAX_ITEMS = RequestLimits().max_items
 # Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
 # balancers (AWS ALB, GCP's and nginx's defaults are 60 s or less), uvicorn's 5 s is not.
 DEFAULT_KEEP_ALIVE_S = 75
+# The paths that take SGLang's and vLLM's score bodies, and answer in the body's dialect.
+SCORE_PATHS = ("/v1/score", "/score")
+# A request past a size bound (`RequestLimits`) is well formed but more than this server takes.
+SIZE_CODES = frozenset(
+    {"too_many_items", "too_many_labels", "too_many_scores", "too_many_queries"}
+    | {"input_too_long", "request_too_large"}
+)
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
 # The library calls a rerank's documents `items`; its errors name them as the wire does.
 RERANK_PARAMS = {"items": "documents"}
-
-ERROR_TYPES = {500: "server_error", 503: "service_unavailable", 504: "timeout"}
-
-
-def error_response(
-    status: int,
-    code: str,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    """tpuscore's error body: {object, message, type, param, code}."""
-    body = protocol.ErrorBody(
-        message=message,
-        type=ERROR_TYPES.get(status, "invalid_request_error"),
-        param=param,
-        code=code,
-    )
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 class ApiError(HTTPException):
@@ -103,14 +94,6 @@ class ApiError(HTTPException):
     def __init__(self, status: int, code: str, message: str, param: str | None = None):
         super().__init__(status, message)
         self.code, self.param = code, param
-
-
-class JSONResponse(starlette.responses.JSONResponse):
-    """JSON with ASCII escapes (any str survives, lone surrogates too) and no NaN or Infinity:
-    a non-finite score is a bug to report as a 500, not invalid JSON to send."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
 def model_name(model: str | None) -> str:
@@ -155,7 +138,8 @@ class JsonRequest(Request):
                 raise ApiError(
                     400,
                     "invalid_content_type",
-                    f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                    "Content-Type must be application/json, "
+                    f"got {short(media_type) if media_type else 'none'}",
                 )
             body = await self.body()
             try:
@@ -205,12 +189,10 @@ class Service:
         model_name: str,
         rerank_template: str | templates.Template,
         max_body_bytes: int,
-        max_items: int,
+        limits: RequestLimits,
     ):
-        if max_body_bytes < 1 or max_items < 1:
-            raise ValueError(
-                f"max_body_bytes ({max_body_bytes}) and max_items ({max_items}) must be >= 1"
-            )
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes ({max_body_bytes}) must be >= 1")
         if isinstance(rerank_template, templates.Template):
             self.template = rerank_template
         else:
@@ -242,7 +224,8 @@ class Service:
             fitted.check(template=self.template.name)
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
-        self.max_body_bytes, self.max_items = max_body_bytes, max_items
+        self.max_body_bytes, self.limits = max_body_bytes, limits
+        self.num_labels = len(self.labels) if self.labels else classes
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -251,7 +234,12 @@ class Service:
         model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
         class) with apply_softmax, as SGLang scores SequenceClassification models."""
         items = [body.items] if isinstance(body.items, str) else body.items
-        self.check_count(items, "items")
+        validation.check_size(
+            self.limits,
+            items=("items", items),
+            values={"query": body.query, "labels": body.labels},
+            num_labels=validation.label_count(body.labels, body.label_token_ids),
+        )
         result = await self.scored(
             request, query=body.query, items=items, **protocol.score_options(body)
         )
@@ -321,29 +309,45 @@ class Service:
 
         The relevance score is P(positive label) / (P(positive) + P(negative)), as Scorer.rank
         computes it, or on a classification model the relevant class's probability; `top_n` null
-        or 0 returns every document (vLLM's default is 0). With fit, each document is also cut
-        to what fits beside the query (Cohere's v2 behaviour) instead of failing
+        or 0 returns every document (vLLM's default is 0). max_tokens_per_doc cuts each
+        document to the text of its first that many tokens, counted on the document alone (the
+        template's words around it are not the document's). With fit, each rendered document is
+        also cut to what fits beside the query (Cohere's v2 behaviour) instead of failing
         sequence_too_long."""
         docs = body.documents
-        self.check_count(docs, "documents")
+        validation.check_size(
+            self.limits,
+            items=("documents", docs),
+            values={"query": body.query, "instruction": body.instruction},
+            num_labels=self.num_labels,
+        )
+        # Before anything tokenizes them (room_beside does, for v2).
+        validation.check_texts(
+            {"query": body.query, "instruction": body.instruction, "documents": docs}
+        )
         t = self.template
         query = t.render_query(body.query, instruction=body.instruction)
-        max_tokens, room = body.max_tokens_per_doc, 0
-        if fit and self.scorer.tokenizer is not None:
+        tokenizer, max_tokens, texts = self.scorer.tokenizer, None, docs
+        if fit and tokenizer is not None:
             room = await asyncio.to_thread(self.room_beside, query)
             if room >= 1:  # else the query alone is too long: sequence_too_long says so
-                max_tokens = room if max_tokens is None else min(max_tokens, room)
+                max_tokens = room
         chunks = None
         if (chunking := protocol.chunking(body)) is not None:  # docs/chunking.md
             chunks, chunking = await asyncio.to_thread(
                 self.chunked, query, docs, chunking, body.max_tokens_per_doc
             )
-            max_tokens = room if room >= 1 else None  # a chunk is window tokens; fit still fits
+            texts = chunks.items  # a chunk is window tokens; fit still fits
+        elif body.max_tokens_per_doc is not None and tokenizer is not None:
+            # The document's own tokens, not the template's words around it.
+            texts = await asyncio.to_thread(
+                tokenization.cut_to_tokens, tokenizer, docs, body.max_tokens_per_doc
+            )
         try:
             result = await self.scored(
                 request,
                 query=query,
-                items=[t.render_item(doc) for doc in (docs if chunks is None else chunks.items)],
+                items=[t.render_item(text) for text in texts],
                 labels=self.labels,
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
@@ -390,7 +394,9 @@ class Service:
     async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
         """SGLang's or vLLM's score request, told apart by their fields."""
         if isinstance(body, protocol.ScoreRequest):
+            dialects.speak(request.scope, "sglang")
             return await self.score(request, body)
+        dialects.speak(request.scope, "vllm")
         return await self.score_pairs(request, body)
 
     async def score_pairs(
@@ -403,16 +409,32 @@ class Service:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""
         pairs = body.pairs()
-        self.check_count(pairs, body.SIDES[1])
+        first, second = body.SIDES
+        queries = [query for query, _ in pairs]
+        validation.check_size(
+            self.limits,
+            items=(second, [doc for _, doc in pairs]),
+            values={first: queries if len(set(queries)) > 1 else queries[:1]},
+            num_labels=self.num_labels,
+        )
+        validation.check_texts({side: getattr(body, side) for side in body.SIDES})
         by_query: dict[str, list[int]] = {}
-        for i, (query, _) in enumerate(pairs):
+        for i, query in enumerate(queries):
             by_query.setdefault(query, []).append(i)
-        groups = list(by_query.items())
-        results = await asyncio.gather(
-            *(
-                self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
-                for query, indexes in groups
+        # Each distinct query is a batcher request: the request is admitted whole or not at all.
+        most = min(self.limits.max_queries, self.batcher.max_pending)
+        if len(by_query) > most:
+            raise ValidationError(
+                "too_many_queries",
+                f"{first} holds {len(by_query)} distinct queries; each is scored as a request of "
+                f"its own, and this server takes at most {most} in one request "
+                "(--max-queries, --max-pending)",
+                first,
             )
+        groups = list(by_query.items())
+        results = await all_or_none(
+            self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
+            for query, indexes in groups
         )
         scores = [0.0] * len(pairs)
         num_tokens = 0
@@ -459,6 +481,7 @@ class Service:
     async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
         """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("prompt")
+        validation.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
         validation.check_text(body.prompt, "prompt")
         encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         response = protocol.TokenizeResponse(
@@ -472,6 +495,7 @@ class Service:
     async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
         """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("tokens")
+        validation.check_size(self.limits, items=("tokens", []), values={"tokens": body.tokens})
         vocab_size = self.scorer.config.vocab_size
         for j, t in enumerate(body.tokens):
             if not 0 <= t < vocab_size:
@@ -511,13 +535,17 @@ class Service:
         """The Prometheus series: requests by status, latency, items, tokens, backends."""
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
-    def check_count(self, items: Any, param: str) -> None:
-        if isinstance(items, list) and len(items) > self.max_items:
-            raise ValidationError(
-                "too_many_items",
-                f"{param} has {len(items)} entries; this server takes at most {self.max_items}",
-                param,
-            )
+
+async def all_or_none(works: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result of `works`, run concurrently; if one fails, the others are cancelled (a
+    batcher request cancelled is dropped unscored) before its error is raised."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationError:
@@ -532,21 +560,27 @@ def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationEr
 
 async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
     """A body that fails its model: the first error, as tpuscore's code and param."""
-    code, param, message = protocol.error_fields(exc.errors()[0])
-    return error_response(400, code, message, param)
+    error = exc.errors()[0]
+    loc = error.get("loc") or ()
+    if len(loc) > 1 and loc[1] in protocol.VLLM_SHAPES:  # the score body's shape tag
+        dialects.speak(request.scope, "vllm")
+    code, param, message = protocol.error_fields(error)
+    return dialects.error_response(request.scope, 400, code, message, param)
 
 
 async def input_refused(request: Request, exc: ValidationError) -> Response:
-    return error_response(400, exc.code, str(exc), exc.param)
+    """400, or 413 for a request past a size bound."""
+    status = 413 if exc.code in SIZE_CODES else 400
+    return dialects.error_response(request.scope, status, exc.code, str(exc), exc.param)
 
 
 async def overloaded(request: Request, exc: Overloaded) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)}
-    return error_response(503, "overloaded", str(exc), headers=headers)
+    return dialects.error_response(request.scope, 503, "overloaded", str(exc), headers=headers)
 
 
 async def deadline_exceeded(request: Request, exc: DeadlineExceeded) -> Response:
-    return error_response(504, "deadline_exceeded", str(exc))
+    return dialects.error_response(request.scope, 504, "deadline_exceeded", str(exc))
 
 
 async def client_left(request: Request, exc: guards.ClientDisconnected) -> Response:
@@ -555,20 +589,24 @@ async def client_left(request: Request, exc: guards.ClientDisconnected) -> Respo
     return Response(status_code=guards.CLIENT_CLOSED)
 
 
-def foreign_host(host: str) -> Response:
+def foreign_host(host: str, scope: Scope) -> Response:
     message = (
-        f"this server does not answer to the host {host!r}; "
+        f"this server does not answer to the host {short(host)}; "
         "start it with --allowed-hosts naming it (or '*')"
     )
-    return error_response(400, "invalid_host", message, "Host")
+    return dialects.error_response(scope, 400, "invalid_host", message, "Host")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     if isinstance(exc, ApiError):
-        return error_response(exc.status_code, exc.code, exc.detail, exc.param)
+        return dialects.error_response(
+            request.scope, exc.status_code, exc.code, exc.detail, exc.param
+        )
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(exc.status_code, code, message, headers=exc.headers)
+    return dialects.error_response(
+        request.scope, exc.status_code, code, message, headers=exc.headers
+    )
 
 
 class CountedAndGuarded:
@@ -599,7 +637,8 @@ class CountedAndGuarded:
             if status is not None:  # the answer has begun: nothing else can be sent
                 raise
             message = f"internal error ({type(e).__name__}); the server log has the details"
-            await error_response(500, "internal_error", message)(scope, receive, sending)
+            answer = dialects.error_response(scope, 500, "internal_error", message)
+            await answer(scope, receive, sending)
         route = scope.get("route")
         path = getattr(route, "path", None)
         if path in self.counted and scope["method"] in getattr(route, "methods", ()):
@@ -608,18 +647,6 @@ class CountedAndGuarded:
 
 # -- the app --------------------------------------------------------------------------------------
 
-ERROR_CONTENT = {"model": protocol.ErrorBody}
-POST_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {**ERROR_CONTENT, "description": "a bad request; `code` says why (docs/serving.md)"},
-    413: {**ERROR_CONTENT, "description": "the body is larger than --max-body-bytes"},
-    503: {
-        **ERROR_CONTENT,
-        "description": "the queue is full; retry after Retry-After seconds",
-        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
-    },
-    504: {**ERROR_CONTENT, "description": "not scored within the request's deadline"},
-}
-
 
 def create_app(
     scorer: Scorer,
@@ -627,7 +654,8 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     rerank_template: str | templates.Template = "plain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_items: int = DEFAULT_MAX_ITEMS,
+    limits: RequestLimits | None = None,
+    max_items: int | None = None,
     batcher: Batcher | None = None,
     batcher_options: Mapping[str, Any] | None = None,
     allowed_hosts: Collection[str] | None = None,
@@ -638,10 +666,17 @@ def create_app(
     rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
     builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
-    to share, which the caller closes. allowed_hosts: the Host names it answers, others get 400
-    `invalid_host` (default any; `guards.default_allowed_hosts` gives a bind address's, as
-    `tpuscore serve` does). metrics_names: `/metrics`' series, tpuscore's, vLLM's or both
-    (serving/metrics.py). Raises ValueError for an unknown template name or a limit below 1."""
+    to share, which the caller closes.
+
+    allowed_hosts: the Host names it answers besides the address a connection reached, others
+    get 400 `invalid_host`; default (None): on a loopback address the loopback names, on
+    another any (`guards.AllowedHosts`). limits bound each request's size (`RequestLimits`'
+    defaults unless given; max_items, if given, replaces its max_items). Raises ValueError for
+    an unknown template name or a limit below 1. metrics_names: `/metrics`' series, tpuscore's,
+    vLLM's or both (serving/metrics.py)."""
+    limits = limits or RequestLimits()
+    if max_items is not None:
+        limits = attrs.evolve(limits, max_items=max_items)
     own = batcher is None
     if own:
         batcher = Batcher(scorer, **dict(batcher_options or {}))
@@ -652,7 +687,7 @@ def create_app(
             model_name=model_name,
             rerank_template=rerank_template,
             max_body_bytes=max_body_bytes,
-            max_items=max_items,
+            limits=limits,
         )
         service.metrics = Metrics(metrics_names, model_name=model_name, batcher=batcher)
     except Exception:
@@ -691,7 +726,9 @@ def create_app(
             handler,
             methods=["POST"],
             response_model=model,
-            responses=POST_ERRORS,
+            responses=dialects.documented_errors(
+                ("sglang", "vllm") if path in SCORE_PATHS else dialects.DIALECT_BY_PATH[path]
+            ),
             route_class_override=JsonBodyRoute,
         )
     app.add_api_route("/health", service.health, methods=["GET"], response_model=protocol.Health)
@@ -701,7 +738,12 @@ def create_app(
     app.add_api_route(
         "/metrics", service.prometheus, methods=["GET"], response_class=PlainTextResponse
     )
-    completion = completions.register(app, service, JsonBodyRoute, POST_ERRORS)
+    completion = completions.register(
+        app,
+        service,
+        JsonBodyRoute,
+        dialects.documented_errors(dialects.DIALECT_BY_PATH[completions.PATH]),
+    )
     counted = {path for path, _, _ in scoring} | {"/health", "/v1/models", completion}
 
     app.add_exception_handler(RequestValidationError, request_invalid)
@@ -711,15 +753,43 @@ def create_app(
     app.add_exception_handler(guards.ClientDisconnected, client_left)
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(CountedAndGuarded, metrics=service.metrics, counted=counted)
-    if allowed_hosts is not None:
-        app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
+    app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     app.openapi = _without_422(app)
     return app
 
 
+# OpenAPI links: where one answer's values feed another request (schemathesis' stateful runs
+# follow them). (path, method) -> {link name: (target path, its method, request body)}.
+LINKS = {
+    ("/tokenize", "post"): {
+        "Detokenize": ("/detokenize", "post", {"tokens": "$response.body#/tokens"}),
+        "ScoreTheTokens": (
+            "/v1/score",
+            "post",
+            {"query": "$response.body#/tokens", "items": [[1]], "label_token_ids": [1]},
+        ),
+    },
+    ("/detokenize", "post"): {
+        "Tokenize": ("/tokenize", "post", {"prompt": "$response.body#/prompt"}),
+        "Rerank": (
+            "/v1/rerank",
+            "post",
+            {"query": "$response.body#/prompt", "documents": ["$response.body#/prompt"]},
+        ),
+    },
+    ("/v1/models", "get"): {
+        "ScoreWithTheModel": (
+            "/score",
+            "post",
+            {"model": "$response.body#/data/0/id", "text_1": "q", "text_2": ["d"]},
+        ),
+    },
+}
+
+
 def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """app.openapi, less the 422 FastAPI documents for every body: a request that fails its
-    model gets a 400 with tpuscore's error body, documented as such."""
+    """app.openapi, less the 422 FastAPI documents for every body (a request that fails its
+    model gets a 400 with its dialect's error body, documented as such), plus `LINKS`."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -728,6 +798,15 @@ def _without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     operation["responses"].pop("422", None)
+            for (path, method), links in LINKS.items():
+                ok = schema["paths"][path][method]["responses"]["200"]
+                ok["links"] = {
+                    name: {
+                        "operationRef": "#/paths/" + target.replace("/", "~1") + "/" + verb,
+                        "requestBody": body,
+                    }
+                    for name, (target, verb, body) in links.items()
+                }
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
         return app.openapi_schema

@@ -5,8 +5,9 @@ JSON nesting.
   server's `--request-timeout`; the Batcher drops a request past it unscored (504).
 - A client that disconnects while its request waits cancels it (`unless_disconnected`): it is
   never scored, logged at INFO and counted as status 499, the code nginx gave to this case.
-- `AllowedHosts` refuses a Host header outside a list (a DNS-rebinding page in a browser reaches
-  a loopback server under its own host name); on by default for loopback binds.
+- `AllowedHosts` refuses a Host header the server does not answer to (a DNS-rebinding page in a
+  browser reaches a loopback server under its own host name): by default, on a loopback address,
+  anything but the loopback names and the address itself.
 - `parse_json` bounds nesting depth, so that no deeply nested body reaches recursive code (repr,
   model validation) to end in a RecursionError.
 """
@@ -21,6 +22,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 
 T = TypeVar("T")
 
@@ -55,7 +57,7 @@ def request_timeout(headers: Mapping[str, str], server_timeout: float | None) ->
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValidationError(
             "invalid_argument",
-            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}",
+            f"{TIMEOUT_HEADER} must be a positive number of seconds, got {short(raw)}",
             TIMEOUT_HEADER,
         )
     return seconds if server_timeout is None else min(seconds, server_timeout)
@@ -112,34 +114,59 @@ def _depth(value: Any) -> int:
     return deepest if isinstance(value, (list, dict)) else 0
 
 
-def default_allowed_hosts(bind_host: str) -> list[str] | None:
-    """The Host names a server bound to bind_host answers by default: the loopback names for a
-    loopback bind, any (None) otherwise, where a proxy or the deployment decides."""
-    if bind_host == "localhost":
-        return list(LOOPBACK_HOSTS)
+def is_loopback(host: str) -> bool:
+    """Whether host (a name or an address) is this machine's loopback: localhost, 127.0.0.0/8,
+    ::1."""
+    if host == "localhost":
+        return True
     try:
-        loopback = ipaddress.ip_address(bind_host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
+        return False
+
+
+def default_allowed_hosts(bind_host: str) -> list[str] | None:
+    """The Host names a server bound to bind_host answers by default: the loopback names and
+    the address itself for a loopback bind (127.0.0.2 answers to "127.0.0.2"), any (None)
+    otherwise, where a proxy or the deployment decides. `AllowedHosts(hosts=None)` applies the
+    same rule to each connection's own local address."""
+    if not is_loopback(bind_host):
         return None
-    return list(LOOPBACK_HOSTS) if loopback else None
+    return list(dict.fromkeys([*LOOPBACK_HOSTS, bind_host.lower().strip("[]")]))
 
 
 class AllowedHosts:
-    """ASGI middleware: an HTTP request whose Host header (port aside) is not in `hosts` gets
-    `refuse(host)`, a response; lifespan and other scopes pass. `*` allows any host."""
+    """ASGI middleware: an HTTP request whose Host header (port aside) is not allowed gets
+    `refuse(host, scope)`, a response; lifespan and other scopes pass.
 
-    def __init__(self, app: Any, hosts: Collection[str], refuse: Callable[[str], Any]):
+    Allowed: the address the connection reached (the ASGI scope's `server`: a Host naming the
+    very address the client connected to cannot be a rebinding page's), and `hosts`, or with
+    hosts None, `default_allowed_hosts` of that address: the loopback names on a loopback
+    address, any host on another. `*` in hosts allows any host."""
+
+    def __init__(self, app: Any, hosts: Collection[str] | None, refuse: Callable[[str, dict], Any]):
         self.app = app
-        self.hosts = {h.lower().strip("[]") for h in hosts}
+        self.hosts = None if hosts is None else {h.lower().strip("[]") for h in hosts}
         self.refuse = refuse
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and "*" not in self.hosts:
+        if scope["type"] == "http":
             host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
-            if host not in self.hosts:
-                await self.refuse(host)(scope, receive, send)
+            if not self.allows(host, scope):
+                await self.refuse(host, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def allows(self, host: str, scope: dict) -> bool:
+        if self.hosts is not None and "*" in self.hosts:
+            return True
+        local = str((scope.get("server") or ("",))[0]).lower().strip("[]")
+        if host and host == local:
+            return True
+        if self.hosts is not None:
+            return host in self.hosts
+        allowed = default_allowed_hosts(local) if local else None
+        return allowed is None or host in allowed
 
 
 def host_name(header: str) -> str:

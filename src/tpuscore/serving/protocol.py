@@ -18,10 +18,7 @@ Who checks what:
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
-import reprlib
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -31,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidatio
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tpuscore.api.requests import ScoreOptions
+from tpuscore.api.messages import short
+from tpuscore.api.requests import ScoreOptions, attribute_docs
 from tpuscore.tasks.chunking import RankedDocument
 
 # Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
@@ -55,15 +53,6 @@ TPUSCORE_CODES = frozenset(
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
 # set them from the template and `max_tokens_per_doc`.
 SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
-
-_short = reprlib.Repr()
-_short.maxlevel, _short.maxstring, _short.maxother = 3, 60, 60
-
-
-def short(value: Any) -> str:
-    """A bounded repr for error messages: any input, however large or deeply nested."""
-    return _short.repr(value)
-
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -144,27 +133,10 @@ Document = Annotated[
 ]
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """name -> text of the "Attributes:" section of a Google-style class docstring."""
-    docs: dict[str, str] = {}
-    doc = inspect.getdoc(cls) or ""
-    section = doc.split("Attributes:\n", 1)[1] if "Attributes:\n" in doc else ""
-    name = None
-    for line in section.splitlines():
-        if match := re.fullmatch(r"    (\w+): (.*)", line):
-            name = match[1]
-            docs[name] = match[2]
-        elif line.startswith("        ") and name is not None:
-            docs[name] += " " + line.strip()
-        else:
-            break
-    return docs
-
-
 def score_option_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """`create_model` field definitions for the `ScoreOptions` options, named, defaulted and
     described as `ScoreOptions` declares them, typed for the schema only."""
-    docs = _attribute_docs(ScoreOptions)
+    docs = attribute_docs(ScoreOptions)
     types = typing.get_type_hints(ScoreOptions)
     fields = {}
     for option in attrs.fields(ScoreOptions):
@@ -520,6 +492,7 @@ AnyScoreRequest = Annotated[
 ]
 # With serving/tei.py's tags for /rerank's and /tokenize's shapes ("other", "tei").
 SCORE_SHAPE_TAGS = frozenset({"sglang", "text", "queries", "data", "ambiguous", "other", "tei"})
+VLLM_SHAPES = frozenset({"text", "queries", "data"})
 
 
 class TokenizeRequest(WireRequest):
@@ -562,6 +535,8 @@ def error_fields(error: dict[str, Any]) -> tuple[str, str | None, str]:
             if error["type"] == "missing"
             else f"{error['msg']}, got {short(error.get('input'))}"
         )
+    if param is not None and len(param) > len(short(param)):  # an unknown field's name
+        param = short(param)
     return code, param, f"{param}: {message}" if param else message
 
 
@@ -735,13 +710,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    """Every error: `code` is a stable string to branch on, `param` names the offending field."""
-
-    object: Literal["error"] = "error"
-    message: str
-    type: str
-    param: str | None
-    code: str
