@@ -118,8 +118,7 @@ def _peft_logprobs(base, adapter_path, seqs, labels, merged):
     return model_logprobs(model, seqs, labels)
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["peft", "merged"])
-def test_mixed_adapter_batch_matches_peft(lora_setup, request, merged):
+def test_mixed_adapter_batch_matches_peft_and_merged(lora_setup, request):
     base, paths = lora_setup
     rng = seeded_rng(request.node.nodeid)
     config, params, _ = load(base, dtype=np.float32)
@@ -140,8 +139,11 @@ def test_mixed_adapter_batch_matches_peft(lora_setup, request, merged):
     np.testing.assert_array_equal(got[base_rows], plain[base_rows])  # bit-identical
     for i, name in enumerate(names, start=1):
         rows = np.flatnonzero(index == i)
-        want = _peft_logprobs(base, paths[name], [seqs[r] for r in rows], labels, merged)
-        np.testing.assert_allclose(got[rows], want, atol=TOLERANCE, rtol=0, err_msg=name)
+        for merged in (False, True):
+            want = _peft_logprobs(base, paths[name], [seqs[r] for r in rows], labels, merged)
+            np.testing.assert_allclose(
+                got[rows], want, atol=TOLERANCE, rtol=0, err_msg=f"{name} merged={merged}"
+            )
         # the adapter really moves the scores, so the comparison above could fail
         assert np.abs(got[rows] - plain[rows]).max() > 100 * TOLERANCE, name
 
@@ -216,3 +218,51 @@ def test_adapter_for_another_model_is_refused(lora_setup, tmp_path):
     config, _, _ = load(base, dtype=np.float32)
     with pytest.raises(ValidationError, match="not a LoRA weight of a decoder projection"):
         load_adapter(lm_head, config)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "split"))
+def _score_extended(params, tokens, label_ids, config, adapters, split):
+    """Each row's first `split` tokens as its own prefix (extended from an empty one under the
+    row's adapter), then the rest extending it: label logprobs at the last token."""
+    B, T = tokens.shape
+    L, K, H = config.num_layers, config.num_kv_heads, config.head_dim
+    empty = decoder.Prefix(
+        k=jnp.zeros((L, B, K, H, 1)),
+        v=jnp.zeros((L, B, K, 1, H)),
+        length=jnp.zeros(B, jnp.int32),
+        last_hidden=jnp.zeros((B, config.hidden_size)),
+    )
+    causal = lambda n: jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (B, n, n))  # noqa: E731
+    rows = jnp.arange(B)
+    _, (k, v) = decoder.extend(
+        params, config, empty, tokens[:, :split], causal(split),
+        rows=rows, return_kv=True, adapters=adapters,
+    )  # fmt: skip
+    prefix = decoder.Prefix(
+        k=k.transpose(0, 1, 3, 4, 2),
+        v=v.transpose(0, 1, 3, 2, 4),
+        length=jnp.full(B, split, jnp.int32),
+        last_hidden=empty.last_hidden,
+    )
+    hidden, _ = decoder.extend(
+        params, config, prefix, tokens[:, split:], causal(T - split), rows=rows, adapters=adapters
+    )
+    return decoder.label_logprobs(params, config, hidden[:, -1], label_ids, adapters)
+
+
+def test_extend_with_adapters_equals_forward(lora_setup, request):
+    """The prefix path (a prefix computed under each row's adapter, then continued) gives the
+    full-sequence forward's scores, which the test above ties to peft."""
+    base, paths = lora_setup
+    rng = seeded_rng(request.node.nodeid)
+    config, params, _ = load(base, dtype=np.float32)
+    stack = stack_adapters([load_adapter(p, config) for p in paths.values()], config)
+    index = jnp.asarray(rng.permutation(np.arange(len(paths) + 1)))
+    T = 29
+    tokens = jnp.asarray(rng.integers(0, MODEL_VOCAB_SIZE, size=(len(index), T)), jnp.int32)
+    labels = jnp.asarray(rng.choice(MODEL_VOCAB_SIZE, size=3, replace=False), jnp.int32)
+    adapters = RowAdapters(stack, index)
+    lengths = jnp.full(len(index), T, jnp.int32)
+    want = np.asarray(_score(params, tokens, lengths, labels, config, adapters))
+    got = np.asarray(_score_extended(params, tokens, labels, config, adapters, split=17))
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)

@@ -421,6 +421,7 @@ def extend(
     return_kv: bool = False,
     prefix_blocks: int = 1,
     prefix_kernel: PrefixKernel | None = None,
+    adapters: RowAdapters | None = None,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -440,6 +441,9 @@ def extend(
     prefix on layers without a window or soft-cap, called as (q, prefix_k, prefix_v, length,
     scale) and returning `_prefix_parts`' result, or None where it does not apply; `_prefix_parts`
     runs there, and wherever the step is lowered for a platform other than CPU.
+
+    adapters: as `forward`'s, for the rows' own tokens; a row's prefix must have been computed
+    under the same adapter (a prefix's K/V depend on it).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
@@ -473,16 +477,18 @@ def extend(
         return jax.lax.platform_dependent(cpu=fused, default=xla_ops)
 
     def step(x, layer_inputs):
-        p, prefix_k, prefix_v, window = layer_inputs
+        p, prefix_k, prefix_v, window, lora = layer_inputs
+        lora = None if lora is None else LayerLora(*lora, adapters.index)
         layer = _layer_attention(config, window)
         cos, sin = _layer_rope(config, angles, window)
-        q, k, v = _qkv(config, x, p, cos, sin)
+        q, k, v = _qkv(config, x, p, cos, sin, lora)
         own_mask = mask & within_window(positions, positions, window)
         o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
-        return _finish(config, x, o, p), (k, v) if return_kv else None
+        return _finish(config, x, o, p, lora), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
-    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows)
+    lora_layers = _layer_lora(adapters)
+    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows, lora_layers)
 
 
 def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
