@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.models import rope
+from tpuscore.models.adapters import RowAdapters
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, bits_as_bfloat16
 
@@ -264,14 +265,45 @@ class Prefix(NamedTuple):
     last_hidden: jax.Array
 
 
-def _qkv(config: ModelConfig, x, p, cos, sin):
+class LayerLora(NamedTuple):
+    """One layer's slice of an `AdapterStack` (a [A+1, in, r], b [A+1, r, out] by parameter)
+    and each row's adapter index [B]."""
+
+    a: dict
+    b: dict
+    index: jax.Array
+
+
+def _plus_lora(y: jax.Array, x: jax.Array, lora: LayerLora | None, name: str) -> jax.Array:
+    """y [B, T, ...out] plus each row's low-rank product (x A[index]) B[index] for parameter
+    `name` (x [B, T, ...in], flattened), gathered per row as Punica's BGMV does; y unchanged
+    where no adapter targets `name`. Runs in float32: the adapters are small."""
+    if lora is None or name not in lora.a:
+        return y
+    B, T = x.shape[:2]
+    a, b = lora.a[name][lora.index], lora.b[name][lora.index]  # [B, in, r], [B, r, out]
+    hi = jax.lax.Precision.HIGHEST
+    low = jnp.einsum("bti,bir->btr", x.reshape(B, T, -1).astype(f32), a, precision=hi)
+    delta = jnp.einsum("btr,bro->bto", low, b, precision=hi)
+    return y + delta.reshape(y.shape)
+
+
+def _layer_lora(adapters: RowAdapters | None):
+    """The stack's per-layer weights with L leading, for the layer scan (None: no adapters)."""
+    if adapters is None:
+        return None
+    a, b = (jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), t) for t in adapters.stack[:2])
+    return a, b
+
+
+def _qkv(config: ModelConfig, x, p, cos, sin, lora: LayerLora | None = None):
     # Attention runs in the norms' dtype: bfloat16 only where every weight is (the mixed
     # precision keeps norms, and so attention, in float32).
     dtype = p["attn_norm"].dtype
     h = _norm(config, x, p["attn_norm"])
-    q = _dot("btd,dnh->btnh", h, p["wq"])
-    k = _dot("btd,dkh->btkh", h, p["wk"])
-    v = _dot("btd,dkh->btkh", h, p["wv"])
+    q = _plus_lora(_dot("btd,dnh->btnh", h, p["wq"]), h, lora, "wq")
+    k = _plus_lora(_dot("btd,dkh->btkh", h, p["wk"]), h, lora, "wk")
+    v = _plus_lora(_dot("btd,dkh->btkh", h, p["wv"]), h, lora, "wv")
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
@@ -282,19 +314,19 @@ def _qkv(config: ModelConfig, x, p, cos, sin):
     return q, k, v.astype(dtype)
 
 
-def _finish(config: ModelConfig, x, o, p):
+def _finish(config: ModelConfig, x, o, p, lora: LayerLora | None = None):
     """Output projection, residual and MLP after attention output o [B,T,N,H]."""
-    attn = _dot("btnh,nhd->btd", o, p["wo"])
+    attn = _plus_lora(_dot("btnh,nhd->btd", o, p["wo"]), o, lora, "wo")
     if config.o_bias:
         attn = attn + p["bo"]
     if config.sandwich_norms:
         attn = _norm(config, attn, p["post_attn_norm"])
     x = x + attn
     h = _norm(config, x, p["mlp_norm"])
-    gate = _dot("btd,df->btf", h, p["w_gate"])
-    up = _dot("btd,df->btf", h, p["w_up"])
+    gate = _plus_lora(_dot("btd,df->btf", h, p["w_gate"]), h, lora, "w_gate")
+    up = _plus_lora(_dot("btd,df->btf", h, p["w_up"]), h, lora, "w_up")
     act = jax.nn.silu(gate) if config.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    mlp = _dot("btf,fd->btd", act * up, p["w_down"])
+    mlp = _plus_lora(_dot("btf,fd->btd", act * up, p["w_down"]), act * up, lora, "w_down")
     if config.sandwich_norms:
         mlp = _norm(config, mlp, p["post_mlp_norm"])
     return x + mlp
@@ -352,22 +384,29 @@ def forward(
     tokens: jax.Array,
     positions: jax.Array,
     attention: Attention,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """Final hidden states [B, T, D] (before the final norm) for tokens [B, T].
 
     attention maps q [B,T,N,H], k/v [B,T,K,H] and the layer's `LayerAttention` to [B,T,N,H],
     e.g. `attend` under a mask intersected with `within_window` of the positions.
+
+    adapters: LoRA adapters and each row's index into them (`models/adapters.py`); None runs
+    the base model alone.
     """
     windows, angles = _layer_inputs(config, positions)
+    lora_layers = _layer_lora(adapters)
 
     def step(x, layer):
-        p, window = layer
+        p, window, lora = layer
+        lora = None if lora is None else LayerLora(*lora, adapters.index)
         cos, sin = _layer_rope(config, angles, window)
-        q, k, v = _qkv(config, x, p, cos, sin)
+        q, k, v = _qkv(config, x, p, cos, sin, lora)
         o = attention(q, k, v, _layer_attention(config, window))
-        return _finish(config, x, o, p), None
+        return _finish(config, x, o, p, lora), None
 
-    x, _ = _scan_layers(step, _embed(params, config, tokens), params["layers"], windows)
+    x = _embed(params, config, tokens)
+    x, _ = _scan_layers(step, x, params["layers"], windows, lora_layers)
     return x
 
 
@@ -382,6 +421,7 @@ def extend(
     return_kv: bool = False,
     prefix_blocks: int = 1,
     prefix_kernel: PrefixKernel | None = None,
+    adapters: RowAdapters | None = None,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -401,6 +441,9 @@ def extend(
     prefix on layers without a window or soft-cap, called as (q, prefix_k, prefix_v, length,
     scale) and returning `_prefix_parts`' result, or None where it does not apply; `_prefix_parts`
     runs there, and wherever the step is lowered for a platform other than CPU.
+
+    adapters: as `forward`'s, for the rows' own tokens; a row's prefix must have been computed
+    under the same adapter (a prefix's K/V depend on it).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
@@ -434,16 +477,18 @@ def extend(
         return jax.lax.platform_dependent(cpu=fused, default=xla_ops)
 
     def step(x, layer_inputs):
-        p, prefix_k, prefix_v, window = layer_inputs
+        p, prefix_k, prefix_v, window, lora = layer_inputs
+        lora = None if lora is None else LayerLora(*lora, adapters.index)
         layer = _layer_attention(config, window)
         cos, sin = _layer_rope(config, angles, window)
-        q, k, v = _qkv(config, x, p, cos, sin)
+        q, k, v = _qkv(config, x, p, cos, sin, lora)
         own_mask = mask & within_window(positions, positions, window)
         o = _merge(prefix_parts(q, prefix_k, prefix_v, layer), _own_parts(q, k, v, own_mask, layer))
-        return _finish(config, x, o, p), (k, v) if return_kv else None
+        return _finish(config, x, o, p, lora), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
-    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows)
+    lora_layers = _layer_lora(adapters)
+    return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows, lora_layers)
 
 
 def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
@@ -476,12 +521,20 @@ def stack_prefixes(prefixes: list[Prefix], count: int) -> Prefix:
     )
 
 
-def _head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+def _head(
+    params: Params, config: ModelConfig, hidden: jax.Array, adapters: RowAdapters | None = None
+) -> jax.Array:
     """The head's output [B, V] for the hidden states [B, D]: log P(token) over the full
-    vocabulary; for a classification model, its class logits [B, num_labels] instead."""
+    vocabulary; for a classification model, its class logits [B, num_labels] instead (each
+    row's adapter's own head where its modules_to_save replaced it)."""
     h = _norm(config, hidden, params["final_norm"])
     if config.classifier:
-        return _dot("bd,dc->bc", h, params["score"])
+        logits = _dot("bd,dc->bc", h, params["score"])
+        if adapters is None or adapters.stack.score is None:
+            return logits
+        score = adapters.stack.score[adapters.index]  # [B, D, C]
+        own = jnp.einsum("bd,bdc->bc", h, score, precision=jax.lax.Precision.HIGHEST)
+        return jnp.where(adapters.stack.own_score[adapters.index][:, None], own, logits)
     if config.tie_word_embeddings:
         logits = _dot("bd,vd->bv", h, params["embed"])
     else:
@@ -492,13 +545,18 @@ def _head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 
 def label_logprobs(
-    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+    params: Params,
+    config: ModelConfig,
+    hidden: jax.Array,
+    label_ids: jax.Array,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """log P(label) over the full vocabulary [B, C] from the hidden states [B, D] of scored rows.
 
     For a classification model, label_ids are class indices and the result is those classes'
-    logits (validation makes them every class in order)."""
-    return _head(params, config, hidden)[:, label_ids]
+    logits (validation makes them every class in order). adapters: as `forward`'s, one index per
+    scored row (a classification head an adapter saved replaces the base's for its rows)."""
+    return _head(params, config, hidden, adapters)[:, label_ids]
 
 
 def row_label_logprobs(
