@@ -207,14 +207,14 @@ class Interrupted(Exception):
 
 
 class StopAfter:
-    """A scorer that raises once `calls` score_batch calls have scored: a crash after a shard's
+    """A scorer that raises once `calls` run calls have scored: a crash after a shard's
     scoring, before its commit."""
 
     def __init__(self, scorer, calls):
         self.scorer, self.calls = scorer, calls
 
-    def score_batch(self, requests, **kwargs):
-        results = self.scorer.score_batch(requests, **kwargs)  # a bad request raises here
+    def run(self, requests, **kwargs):
+        results = self.scorer.run(requests, **kwargs)
         self.calls -= 1
         if self.calls < 0:
             raise Interrupted

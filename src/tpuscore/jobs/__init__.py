@@ -2,7 +2,14 @@
 a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
 
 from tpuscore.jobs.job import JobSummary, load_scorer, score_table
-from tpuscore.jobs.scoring import JobConfigError, RowError, RowFailed, Spec, score_rows
+from tpuscore.jobs.scoring import (
+    JobConfigError,
+    RowError,
+    RowFailed,
+    Spec,
+    classes_of,
+    score_rows,
+)
 from tpuscore.jobs.tables import TableError, open_table
 
 __all__ = [
@@ -12,6 +19,7 @@ __all__ = [
     "RowFailed",
     "Spec",
     "TableError",
+    "classes_of",
     "load_scorer",
     "open_table",
     "score_rows",

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from tpuscore.jobs import manifest as manifests
 from tpuscore.jobs import shards
-from tpuscore.jobs.scoring import JobConfigError, Spec, score_rows
+from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
 
@@ -167,6 +167,7 @@ def score_table(
     out_format = _output_format(output, output_format)
     if scorer is None:
         scorer = load_scorer(model, dtype=dtype)
+    layout = spec.layout(table.schema, classes_of(scorer))
     settings = _jsonable(
         {
             "input": input,
