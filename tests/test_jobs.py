@@ -261,7 +261,8 @@ def test_a_rerun_resumes_after_the_last_committed_shard(scorer, rng, tmp_path):
         score_table(
             tmp_path / "pairs.parquet", output, scorer=scorer, **{**kwargs, "shard_rows": 9}
         )
-    assert other.value.code == "output_exists"
+    assert other.value.code == "output_mismatch"
+    assert [c[:3] for c in other.value.changed] == [("shard_rows", 10, 9)]
     fresh = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, overwrite=True, **kwargs)
     assert fresh.rows == 45 and read(output).equals(read(tmp_path / "whole"))
 

@@ -27,13 +27,34 @@ from typing import Any
 import attrs
 import pyarrow as pa
 
+from tpuscore.jobs import fingerprints, shards
 from tpuscore.jobs import manifest as manifests
-from tpuscore.jobs import shards
 from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
 
 ON_ERROR = ("skip", "fail")
+
+
+class ResumeRefused(JobConfigError):
+    """An output written by a job with another input, model or settings: resuming it would mix
+    two jobs' rows. `changed` holds (what, recorded value, this run's value) per difference."""
+
+    def __init__(self, output: str, changed: list[tuple[str, Any, Any]]):
+        said = "; ".join(f"{what}: {_cut(old)} -> {_cut(new)}" for what, old, new in changed[:6])
+        more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+        super().__init__(
+            "output_mismatch",
+            f"{output} holds a job run on another input, model or settings ({said}{more}); "
+            "re-run with the same ones to resume, or pass overwrite to start again",
+            "output",
+        )
+        self.changed = changed
+
+
+def _cut(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def load_scorer(model: str | os.PathLike | None = None, **kwargs: Any) -> Scorer:
@@ -116,8 +137,9 @@ def score_table(
         scorer: the scorer to run; default `load_scorer(model, dtype=dtype)`. A scorer with a
             prefix cache still works, but a resumed run's scores may then differ from an
             uninterrupted run's by rounding.
-        model, dtype: what `load_scorer` loads when no scorer is given (model is recorded in
-            the manifest either way, so a resume with another model is refused).
+        model, dtype: what `load_scorer` loads when no scorer is given. The manifest records
+            the model's fingerprint (config, dtype, weights' hash) and the input's (size and
+            content hash), so a resume with another model or input is refused.
         backend: the backend of every `score_batch` call (default the scorer's).
         query_column, item_column, id_columns, labels, label_token_ids, template, instruction,
             item_suffix, max_item_tokens, truncate, item_first: what to score, as `Spec` says.
@@ -135,7 +157,9 @@ def score_table(
 
     Raises:
         JobConfigError (a `ValidationError`): a setting every row would fail on, a missing
-            column, or an output written by a job with other settings (`output_exists`).
+            column, or an output that is not a job's (`output_exists`).
+        ResumeRefused (a `JobConfigError`, `output_mismatch`): an output written from another
+            input, model or settings; `changed` says what differs.
         TableError: an input that cannot be read as the format.
         RowFailed: with on_error="fail", the first bad row.
     """
@@ -168,15 +192,16 @@ def score_table(
     if scorer is None:
         scorer = load_scorer(model, dtype=dtype)
     layout = spec.layout(table.schema, classes_of(scorer))
+    in_fs, in_path = filesystem(input)
     settings = _jsonable(
         {
             "input": input,
+            "input_fingerprint": fingerprints.of_input(in_fs, in_path),
             "input_format": table.format,
             "output_format": out_format,
             "shard_rows": shard_rows,
             "spec": attrs.asdict(spec),
-            "model": None if model is None else os.fspath(model),
-            "dtype": str(scorer.dtype),
+            "model": fingerprints.of_model(scorer),
             "backend": backend,
         }
     )
@@ -252,7 +277,17 @@ def _prepare(fs, directory, manifest_path, errors_path, settings, overwrite, out
     """The manifest to continue from: a new one, or the existing one after the files a killed
     run left uncommitted are removed (aside files, shards past the manifest, errors past its
     recorded length)."""
-    existing = manifests.load(fs, manifest_path)
+    existing = None
+    if not overwrite:
+        try:
+            existing = manifests.load(fs, manifest_path)
+        except (ValueError, KeyError, TypeError) as e:
+            raise JobConfigError(
+                "manifest_unreadable",
+                f"{manifest_path} cannot be read as a tpuscore job's manifest ({e}); pass "
+                "overwrite to start the job again",
+                "output",
+            ) from None
     if overwrite:
         for path in (directory, manifest_path, errors_path):
             if fs.exists(path):
@@ -272,13 +307,7 @@ def _prepare(fs, directory, manifest_path, errors_path, settings, overwrite, out
         manifests.save(fs, manifest_path, existing)
         return existing
     if existing.settings != settings:
-        changed = sorted(k for k in settings if existing.settings.get(k) != settings[k])
-        raise JobConfigError(
-            "output_exists",
-            f"{output} holds a job run with other settings ({', '.join(changed)} differ); "
-            "re-run with the same settings to resume, or pass overwrite to start again",
-            "output",
-        )
+        raise ResumeRefused(output, fingerprints.differences(existing.settings, settings))
     fs.makedirs(directory, exist_ok=True)
     shards.clear_aside(fs, directory)
     committed = {s.file for s in existing.shards}

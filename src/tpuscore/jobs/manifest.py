@@ -15,7 +15,7 @@ import fsspec
 
 from tpuscore.jobs.shards import commit
 
-FORMAT = "tpuscore-job/1"
+FORMAT = "tpuscore-job/2"
 
 
 @attrs.frozen
