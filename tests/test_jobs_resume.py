@@ -57,3 +57,42 @@ def test_another_model_passed_as_scorer_is_refused(scorer, checkpoint_dir, rng, 
     with pytest.raises(ResumeRefused) as refused:
         score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=other, **KWARGS)
     assert [c[0] for c in refused.value.changed] == ["model.weights_sha256"]
+
+
+def test_missing_or_damaged_shards_are_scored_again(scorer, rng, tmp_path):
+    from pathlib import Path
+
+    from tpuscore.jobs.job import output_paths
+
+    table = pairs_table(rng, 15).to_pydict()
+    table["item_text"][7] = None  # an error in the middle shard
+    table["item_text"][12] = None
+    pq.write_table(pa.table(table), tmp_path / "pairs.parquet")
+    run = lambda output: score_table(tmp_path / "pairs.parquet", output, scorer=scorer, **KWARGS)  # noqa: E731
+    run(tmp_path / "whole")
+    whole = read(tmp_path / "whole")
+    whole_errors = Path(output_paths(str(tmp_path / "whole"))[2]).read_bytes()
+    output = tmp_path / "out"
+    directory, _, errors_path = output_paths(str(output))
+    assert run(output).rows == 15
+    shard = [Path(directory, f"part-0000{i}.parquet") for i in range(3)]
+
+    def damages():
+        yield "deleted", lambda: shard[1].unlink()
+        yield "truncated", lambda: shard[0].write_bytes(shard[0].read_bytes()[:-9])
+        data = bytearray(shard[2].read_bytes())
+        data[len(data) // 2] ^= 0x55  # one byte flipped, the size unchanged
+        yield "corrupted", lambda: shard[2].write_bytes(bytes(data))
+
+    for what, damage in damages():
+        damage()
+        again = run(output)
+        assert (again.repaired, again.rows, again.shards) == (1, 5, 1), what
+        assert read(output).equals(whole), what
+        assert Path(errors_path).read_bytes() == whole_errors, what
+        assert run(output).rows == 0  # complete, and verified so
+    # The errors file cut inside the second shard's line: from that shard on, scored again.
+    Path(errors_path).write_bytes(whole_errors[: whole_errors.index(b"\n") - 5])
+    again = run(output)
+    assert (again.rows, again.shards, again.resumed_rows) == (10, 2, 5)
+    assert read(output).equals(whole) and Path(errors_path).read_bytes() == whole_errors

@@ -1,7 +1,8 @@
 """Offline scoring jobs: a table of pairs or requests in, a table of scores out, resumable after
 a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
 
-from tpuscore.jobs.job import JobSummary, ResumeRefused, load_scorer, score_table
+from tpuscore.jobs.job import JobSummary, load_scorer, score_table
+from tpuscore.jobs.output import ResumeRefused
 from tpuscore.jobs.scoring import (
     JobConfigError,
     RowError,
