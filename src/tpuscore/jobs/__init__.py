@@ -2,6 +2,7 @@
 a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
 
 from tpuscore.jobs.job import JobSummary, load_scorer, score_table
+from tpuscore.jobs.locking import OutputLocked
 from tpuscore.jobs.output import ResumeRefused
 from tpuscore.jobs.scoring import (
     JobConfigError,
@@ -16,6 +17,7 @@ from tpuscore.jobs.tables import TableError, open_table
 __all__ = [
     "JobConfigError",
     "JobSummary",
+    "OutputLocked",
     "ResumeRefused",
     "RowError",
     "RowFailed",

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import pyarrow as pa
 
-from tpuscore.jobs import fingerprints, shards
+from tpuscore.jobs import fingerprints, locking, shards
 from tpuscore.jobs.output import Output, paths
 from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
@@ -139,6 +139,8 @@ def score_table(
             column, or an output that is not a job's (`output_exists`).
         ResumeRefused (a `JobConfigError`, `output_mismatch`): an output written from another
             input, model or settings; `changed` says what differs.
+        OutputLocked (a `JobConfigError`, `output_locked`): another job is writing the output
+            (`<output>.lock` names it).
         TableError: an input that cannot be read as the format.
         RowFailed: with on_error="fail", the first bad row.
     """
@@ -185,11 +187,18 @@ def score_table(
         }
     )
     fs, path = filesystem(output)
-    out = Output.open(fs, path, output, out_format, settings, overwrite)
+    with locking.hold(fs, f"{path.rstrip('/')}.lock", output):
+        out = Output.open(fs, path, output, out_format, settings, overwrite)
+        summary = _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress)
+    return attrs.evolve(summary, seconds=time.perf_counter() - start)
+
+
+def _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress) -> JobSummary:
+    """Score the shards `out` wants, committing each; the summary's seconds are filled in by
+    the caller."""
     resumed = out.kept_rows
     if out.manifest.complete:
-        return JobSummary(output, 0, 0, time.perf_counter() - start, {}, resumed, 0)
-
+        return JobSummary(out.name, 0, 0, 0.0, {}, resumed, 0)
     total = table.num_rows
     if total is None and show_progress:
         total = table.count_rows()
@@ -225,8 +234,7 @@ def score_table(
             backends.update(scored.backends)
             bar.update(rows_in.num_rows)
     out.finish()
-    seconds = time.perf_counter() - start
-    return JobSummary(output, rows, errors, seconds, dict(backends), resumed, count, repaired)
+    return JobSummary(out.name, rows, errors, 0.0, dict(backends), resumed, count, repaired)
 
 
 def _output_format(output: str, given: str | None) -> str:
