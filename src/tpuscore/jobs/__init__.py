@@ -4,6 +4,7 @@ a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
 from tpuscore.jobs.job import JobSummary, load_scorer, score_table
 from tpuscore.jobs.locking import OutputLocked
 from tpuscore.jobs.output import ResumeRefused
+from tpuscore.jobs.schemas import read_errors, read_output
 from tpuscore.jobs.scoring import (
     JobConfigError,
     RowError,
@@ -26,6 +27,8 @@ __all__ = [
     "classes_of",
     "load_scorer",
     "open_table",
+    "read_errors",
+    "read_output",
     "score_rows",
     "score_table",
 ]

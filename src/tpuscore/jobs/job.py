@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import pyarrow as pa
 
-from tpuscore.jobs import fingerprints, locking, shards
+from tpuscore.jobs import fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
 from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
@@ -182,6 +182,7 @@ def score_table(
             "output_format": out_format,
             "shard_rows": shard_rows,
             "spec": attrs.asdict(spec),
+            "output_schema": schemas.encode(_output_schema(table.schema, layout)),
             "model": fingerprints.of_model(scorer),
             "backend": backend,
         }
@@ -235,6 +236,12 @@ def _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progres
             bar.update(rows_in.num_rows)
     out.finish()
     return JobSummary(out.name, rows, errors, 0.0, dict(backends), resumed, count, repaired)
+
+
+def _output_schema(input_schema: pa.Schema, layout) -> pa.Schema:
+    """row, the id columns as the input has them, then the score columns."""
+    ids = [input_schema.field(c) for c in layout.id_columns]
+    return pa.schema([pa.field("row", pa.int64()), *ids, *layout.score_schema()])
 
 
 def _output_format(output: str, given: str | None) -> str:

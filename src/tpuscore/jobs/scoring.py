@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
+from tpuscore.jobs import values
 from tpuscore.jobs.grouping import freeze, group_rows
 
 # Score options a row may carry in a column of the same name, where the job does not set them.
@@ -37,7 +38,8 @@ class JobConfigError(ValidationError):
 
 @attrs.frozen
 class RowError:
-    """A row that could not be scored: its number, ids and the validation error."""
+    """A row that could not be scored: its number, its ids (as JSON values, `values.to_json`)
+    and the validation error."""
 
     row: int
     ids: dict[str, Any]
@@ -246,6 +248,16 @@ class Layout:
             return [f"{kind}s" for kind in self.kinds]
         return [f"{kind}_{name}" for kind in self.kinds for name in self.label_names]
 
+    def score_schema(self) -> pa.Schema:
+        """The score columns' names and types: float32 per (pair row, label), a list of them
+        per item for request rows, and one more list level for labels per row."""
+        t = pa.float32()
+        if self.shape == REQUESTS:
+            t = pa.list_(t)
+        if self.label_names is None:
+            t = pa.list_(t)
+        return pa.schema([(name, t) for name in self.score_columns()])
+
 
 @attrs.frozen
 class Scored:
@@ -326,7 +338,7 @@ def score_rows(
 
 def _row_error(layout: Layout, batch, first_row: int, row: int, e: ValidationError) -> RowError:
     """The `RowError` of a batch's row: its number, its ids as JSON values, the error."""
-    ids = {c: batch.column(c)[row].as_py() for c in layout.id_columns}
+    ids = {c: values.to_json(batch.column(c).slice(row, 1))[0] for c in layout.id_columns}
     return RowError(first_row + row, ids, e.code, str(e), e.param)
 
 

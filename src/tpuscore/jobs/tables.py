@@ -129,7 +129,8 @@ def _read(f, fmt: str, columns: list[str], batch_rows: int) -> Iterator[pa.Recor
 
 
 def table_bytes(table: pa.Table, fmt: str) -> bytes:
-    """`table` as a Parquet file or JSON Lines (one object per row, columns in order)."""
+    """`table` as a Parquet file or JSON Lines (one object per row, columns in order, values as
+    `values.to_json` writes them)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -139,7 +140,11 @@ def table_bytes(table: pa.Table, fmt: str) -> bytes:
     if fmt == "jsonl":
         import json
 
+        from tpuscore.jobs.values import to_json
+
+        names, columns = table.column_names, [to_json(column) for column in table.columns]
+        rows = (dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True))
         return "".join(
-            json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist()
+            json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows
         ).encode()
     raise TableError(f"cannot write {fmt}; output is parquet or jsonl")
