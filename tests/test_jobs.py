@@ -342,3 +342,37 @@ def test_the_command_caches_compiles_in_the_user_cache_directory(monkeypatch, tm
     monkeypatch.setenv(compilation_cache.ENV, str(tmp_path / "mine"))
     assert compilation_cache.command_dir() == str(tmp_path / "mine")
     assert compilation_cache.command_dir(disabled=True) == ""  # the flag wins
+
+
+@pytest.mark.parametrize(
+    "id_columns, classes",
+    [
+        (["row"], None),
+        (["user_id", "logprob_b"], None),
+        (["score_a"], None),
+        (["error"], None),
+        (["user_id", "user_id"], None),
+        (["logit_positive"], ("negative", "positive")),
+    ],
+)
+def test_id_columns_that_collide_with_the_output_are_refused(id_columns, classes, tmp_path):
+    from tpuscore.jobs import Spec
+
+    names = ["user_id", "query", "item", *id_columns]
+    schema = pa.schema([(n, pa.string()) for n in dict.fromkeys(names)])
+    spec = Spec(id_columns=id_columns, labels=None if classes else LABELS)
+    with pytest.raises(JobConfigError) as refused:
+        spec.layout(schema, classes)
+    assert (refused.value.code, refused.value.param) == ("column_collision", "id_columns")
+    assert repr(id_columns[-1]) in str(refused.value)
+
+
+def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
+    table = pa.table({"row": [1, 2], "query": ["a b", "c"], "item": ["d", "e"]})
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    with pytest.raises(JobConfigError, match="'row'"):
+        score_table(
+            tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, labels=LABELS,
+            id_columns=["row"],
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.manifest.json").exists()

@@ -174,7 +174,7 @@ class Spec:
         if classification or "labels" in options or "label_token_ids" in options:
             row_options = tuple(n for n in row_options if n not in ("labels", "label_token_ids"))
         fixed = classes if classification else options.get("labels", options.get("label_token_ids"))
-        return Layout(
+        layout = Layout(
             shape=shape,
             query_column=self.query_column,
             item_column=item_column,
@@ -186,6 +186,30 @@ class Spec:
             template=self.template,
             instruction=self.instruction,
         )
+        _refuse_collisions(layout)
+        return layout
+
+
+# Output columns besides the ids and scores: the job's row number, Ray's error columns.
+OUTPUT_COLUMNS = ("row", "error_code", "error")
+
+
+def _refuse_collisions(layout: Layout) -> None:
+    """An id column whose name the output already uses (or given twice) is refused before any
+    row is read: the output would hold two columns of one name, or lose one."""
+    seen: set[str] = set()
+    taken = {*OUTPUT_COLUMNS, *layout.score_columns()}
+    for column in layout.id_columns:
+        if column in seen or column in taken:
+            why = "is given twice" if column in seen else "is also an output column"
+            raise JobConfigError(
+                "column_collision",
+                f"id column {column!r} {why}; the output's columns are row, the id columns, "
+                f"{', '.join(layout.score_columns())} (and error_code, error from Ray); rename "
+                "it in the input",
+                "id_columns",
+            )
+        seen.add(column)
 
 
 def _holds_items(t: pa.DataType) -> bool:
