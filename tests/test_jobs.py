@@ -207,14 +207,14 @@ class Interrupted(Exception):
 
 
 class StopAfter:
-    """A scorer that raises once `calls` score_batch calls have scored: a crash after a shard's
+    """A scorer that raises once `calls` run calls have scored: a crash after a shard's
     scoring, before its commit."""
 
     def __init__(self, scorer, calls):
         self.scorer, self.calls = scorer, calls
 
-    def score_batch(self, requests, **kwargs):
-        results = self.scorer.score_batch(requests, **kwargs)  # a bad request raises here
+    def run(self, requests, **kwargs):
+        results = self.scorer.run(requests, **kwargs)
         self.calls -= 1
         if self.calls < 0:
             raise Interrupted
@@ -261,7 +261,8 @@ def test_a_rerun_resumes_after_the_last_committed_shard(scorer, rng, tmp_path):
         score_table(
             tmp_path / "pairs.parquet", output, scorer=scorer, **{**kwargs, "shard_rows": 9}
         )
-    assert other.value.code == "output_exists"
+    assert other.value.code == "output_mismatch"
+    assert [c[:3] for c in other.value.changed] == [("shard_rows", 10, 9)]
     fresh = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, overwrite=True, **kwargs)
     assert fresh.rows == 45 and read(output).equals(read(tmp_path / "whole"))
 
@@ -341,3 +342,37 @@ def test_the_command_caches_compiles_in_the_user_cache_directory(monkeypatch, tm
     monkeypatch.setenv(compilation_cache.ENV, str(tmp_path / "mine"))
     assert compilation_cache.command_dir() == str(tmp_path / "mine")
     assert compilation_cache.command_dir(disabled=True) == ""  # the flag wins
+
+
+@pytest.mark.parametrize(
+    "id_columns, classes",
+    [
+        (["row"], None),
+        (["user_id", "logprob_b"], None),
+        (["score_a"], None),
+        (["error"], None),
+        (["user_id", "user_id"], None),
+        (["logit_positive"], ("negative", "positive")),
+    ],
+)
+def test_id_columns_that_collide_with_the_output_are_refused(id_columns, classes, tmp_path):
+    from tpuscore.jobs import Spec
+
+    names = ["user_id", "query", "item", *id_columns]
+    schema = pa.schema([(n, pa.string()) for n in dict.fromkeys(names)])
+    spec = Spec(id_columns=id_columns, labels=None if classes else LABELS)
+    with pytest.raises(JobConfigError) as refused:
+        spec.layout(schema, classes)
+    assert (refused.value.code, refused.value.param) == ("column_collision", "id_columns")
+    assert repr(id_columns[-1]) in str(refused.value)
+
+
+def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
+    table = pa.table({"row": [1, 2], "query": ["a b", "c"], "item": ["d", "e"]})
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    with pytest.raises(JobConfigError, match="'row'"):
+        score_table(
+            tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, labels=LABELS,
+            id_columns=["row"],
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.manifest.json").exists()

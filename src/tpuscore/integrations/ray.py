@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tpuscore.jobs import Spec, load_scorer, score_rows
+from tpuscore.jobs import Spec, classes_of, load_scorer, score_rows
 
 
 class ScoreRows:
@@ -51,6 +51,8 @@ class ScoreRows:
         self.spec = Spec(**spec)
         self.spec.options()  # a bad setting fails here, before the model loads
         self.scorer = load_scorer(model, dtype=dtype, **(scorer_options or {}))
+        self.classes = classes_of(self.scorer)
+        self.spec.options(self.classes is not None)  # labels given to a classification model
         self.backend = backend
 
     def __call__(self, batch: Any) -> Any:
@@ -63,7 +65,7 @@ class ScoreRows:
             table = batch
         else:
             kind, table = "pandas", pa.Table.from_pandas(batch, preserve_index=False)
-        layout = self.spec.layout(table.schema)
+        layout = self.spec.layout(table.schema, self.classes)
         scored = score_rows(self.scorer, layout, table, backend=self.backend)
         codes: list[str | None] = [None] * table.num_rows
         messages: list[str | None] = [None] * table.num_rows

@@ -2,18 +2,33 @@
 a crash (docs/jobs.md). Needs the `jobs` extra (pyarrow, fsspec)."""
 
 from tpuscore.jobs.job import JobSummary, load_scorer, score_table
-from tpuscore.jobs.scoring import JobConfigError, RowError, RowFailed, Spec, score_rows
+from tpuscore.jobs.locking import OutputLocked
+from tpuscore.jobs.output import ResumeRefused
+from tpuscore.jobs.schemas import read_errors, read_output
+from tpuscore.jobs.scoring import (
+    JobConfigError,
+    RowError,
+    RowFailed,
+    Spec,
+    classes_of,
+    score_rows,
+)
 from tpuscore.jobs.tables import TableError, open_table
 
 __all__ = [
     "JobConfigError",
     "JobSummary",
+    "OutputLocked",
+    "ResumeRefused",
     "RowError",
     "RowFailed",
     "Spec",
     "TableError",
+    "classes_of",
     "load_scorer",
     "open_table",
+    "read_errors",
+    "read_output",
     "score_rows",
     "score_table",
 ]

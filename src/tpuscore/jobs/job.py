@@ -15,21 +15,19 @@ between calls).
 
 from __future__ import annotations
 
-import json
 import os
-import posixpath
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import pyarrow as pa
 
-from tpuscore.jobs import manifest as manifests
-from tpuscore.jobs import shards
-from tpuscore.jobs.scoring import JobConfigError, Spec, score_rows
+from tpuscore.jobs import fingerprints, locking, schemas, shards
+from tpuscore.jobs.output import Output, paths
+from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
 
@@ -57,6 +55,7 @@ class JobSummary:
     backends: dict[str, int]
     resumed_rows: int = 0
     shards: int = 0
+    repaired: int = 0  # committed shards found missing or damaged, and scored again
 
     @property
     def rows_per_second(self) -> float:
@@ -68,6 +67,8 @@ class JobSummary:
             return f"tpuscore job: already complete ({self.resumed_rows} rows) -> {self.output}"
         used = ", ".join(f"{name} {n}" for name, n in sorted(self.backends.items())) or "none"
         resumed = f", resumed after row {self.resumed_rows}" if self.resumed_rows else ""
+        if self.repaired:
+            resumed += f", {self.repaired} damaged or missing shards scored again"
         return (
             f"tpuscore job: {self.rows} rows, {self.errors} errors, {self.seconds:.1f} s, "
             f"{self.rows_per_second:.1f} rows/s, backends: {used}{resumed} -> {self.output}"
@@ -76,8 +77,7 @@ class JobSummary:
 
 def output_paths(output: str) -> tuple[str, str, str]:
     """(shard directory, manifest, errors file) of an output URL."""
-    output = output.rstrip("/")
-    return output, f"{output}.manifest.json", f"{output}.errors.jsonl"
+    return paths(output)
 
 
 def score_table(
@@ -116,8 +116,9 @@ def score_table(
         scorer: the scorer to run; default `load_scorer(model, dtype=dtype)`. A scorer with a
             prefix cache still works, but a resumed run's scores may then differ from an
             uninterrupted run's by rounding.
-        model, dtype: what `load_scorer` loads when no scorer is given (model is recorded in
-            the manifest either way, so a resume with another model is refused).
+        model, dtype: what `load_scorer` loads when no scorer is given. The manifest records
+            the model's fingerprint (config, dtype, weights' hash) and the input's (size and
+            content hash), so a resume with another model or input is refused.
         backend: the backend of every `score_batch` call (default the scorer's).
         query_column, item_column, id_columns, labels, label_token_ids, template, instruction,
             item_suffix, max_item_tokens, truncate, item_first: what to score, as `Spec` says.
@@ -135,7 +136,11 @@ def score_table(
 
     Raises:
         JobConfigError (a `ValidationError`): a setting every row would fail on, a missing
-            column, or an output written by a job with other settings (`output_exists`).
+            column, or an output that is not a job's (`output_exists`).
+        ResumeRefused (a `JobConfigError`, `output_mismatch`): an output written from another
+            input, model or settings; `changed` says what differs.
+        OutputLocked (a `JobConfigError`, `output_locked`): another job is writing the output
+            (`<output>.lock` names it).
         TableError: an input that cannot be read as the format.
         RowFailed: with on_error="fail", the first bad row.
     """
@@ -167,31 +172,41 @@ def score_table(
     out_format = _output_format(output, output_format)
     if scorer is None:
         scorer = load_scorer(model, dtype=dtype)
+    layout = spec.layout(table.schema, classes_of(scorer))
+    in_fs, in_path = filesystem(input)
     settings = _jsonable(
         {
             "input": input,
+            "input_fingerprint": fingerprints.of_input(in_fs, in_path),
             "input_format": table.format,
             "output_format": out_format,
             "shard_rows": shard_rows,
             "spec": attrs.asdict(spec),
-            "model": None if model is None else os.fspath(model),
-            "dtype": str(scorer.dtype),
+            "output_schema": schemas.encode(_output_schema(table.schema, layout)),
+            "model": fingerprints.of_model(scorer),
             "backend": backend,
         }
     )
     fs, path = filesystem(output)
-    directory, manifest_path, errors_path = output_paths(path)
-    manifest = _prepare(fs, directory, manifest_path, errors_path, settings, overwrite, output)
-    resumed = manifest.next_row
-    if manifest.complete:
-        return JobSummary(output, 0, 0, time.perf_counter() - start, {}, resumed, 0)
+    with locking.hold(fs, f"{path.rstrip('/')}.lock", output):
+        out = Output.open(fs, path, output, out_format, settings, overwrite)
+        summary = _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress)
+    return attrs.evolve(summary, seconds=time.perf_counter() - start)
 
+
+def _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress) -> JobSummary:
+    """Score the shards `out` wants, committing each; the summary's seconds are filled in by
+    the caller."""
+    resumed = out.kept_rows
+    if out.manifest.complete:
+        return JobSummary(out.name, 0, 0, 0.0, {}, resumed, 0)
     total = table.num_rows
     if total is None and show_progress:
         total = table.count_rows()
     from tqdm.auto import tqdm
 
     rows = errors = count = 0
+    repaired = len(out.redo)
     backends: Counter = Counter()
     with tqdm(
         total=total,
@@ -202,7 +217,7 @@ def score_table(
         file=sys.stderr,
         smoothing=0.1,
     ) as bar:
-        for first_row, rows_in in _shards(table, layout.columns, shard_rows, resumed):
+        for index, first_row, rows_in in _shards(table, layout.columns, shard_rows, out.wanted):
             scored = score_rows(
                 scorer,
                 layout,
@@ -212,30 +227,21 @@ def score_table(
                 fail_fast=on_error == "fail",
             )
             numbers = pa.array(range(first_row, first_row + rows_in.num_rows), pa.int64())
-            out = scored.table.add_column(0, "row", numbers).filter(pa.array(~scored.failed))
-            name = shards.shard_name(first_row // shard_rows, out_format)
-            shards.commit_table(fs, posixpath.join(directory, name), out, out_format)
-            errors_bytes = manifest.errors_bytes
-            if scored.errors:
-                lines = "".join(
-                    json.dumps(_jsonable(e.to_json()), ensure_ascii=False) + "\n"
-                    for e in scored.errors
-                )
-                errors_bytes = shards.append(fs, errors_path, lines.encode())
-            record = manifests.ShardRecord(
-                name, first_row, rows_in.num_rows, out.num_rows, len(scored.errors), errors_bytes
-            )
-            manifest = manifest.committed(record)
-            manifests.save(fs, manifest_path, manifest)  # the commit point
+            kept = scored.table.add_column(0, "row", numbers).filter(pa.array(~scored.failed))
+            out.commit(index, first_row, rows_in.num_rows, kept, scored.errors)
             rows += rows_in.num_rows
             errors += len(scored.errors)
             count += 1
             backends.update(scored.backends)
             bar.update(rows_in.num_rows)
-    manifest = attrs.evolve(manifest, complete=True)
-    manifests.save(fs, manifest_path, manifest)
-    seconds = time.perf_counter() - start
-    return JobSummary(output, rows, errors, seconds, dict(backends), resumed, count)
+    out.finish()
+    return JobSummary(out.name, rows, errors, 0.0, dict(backends), resumed, count, repaired)
+
+
+def _output_schema(input_schema: pa.Schema, layout) -> pa.Schema:
+    """row, the id columns as the input has them, then the score columns."""
+    ids = [input_schema.field(c) for c in layout.id_columns]
+    return pa.schema([pa.field("row", pa.int64()), *ids, *layout.score_schema()])
 
 
 def _output_format(output: str, given: str | None) -> str:
@@ -247,75 +253,25 @@ def _output_format(output: str, given: str | None) -> str:
     return fmt
 
 
-def _prepare(fs, directory, manifest_path, errors_path, settings, overwrite, output):
-    """The manifest to continue from: a new one, or the existing one after the files a killed
-    run left uncommitted are removed (aside files, shards past the manifest, errors past its
-    recorded length)."""
-    existing = manifests.load(fs, manifest_path)
-    if overwrite:
-        for path in (directory, manifest_path, errors_path):
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        existing = None
-    if existing is None:
-        if fs.exists(directory) and (not fs.isdir(directory) or fs.ls(directory)):
-            raise JobConfigError(
-                "output_exists",
-                f"{output} exists and is not a tpuscore job's output (no {manifest_path}); "
-                "remove it, name another output, or pass overwrite",
-                "output",
-            )
-        fs.makedirs(directory, exist_ok=True)
-        existing = manifests.Manifest(settings)
-        shards.truncate(fs, errors_path, 0)
-        manifests.save(fs, manifest_path, existing)
-        return existing
-    if existing.settings != settings:
-        changed = sorted(k for k in settings if existing.settings.get(k) != settings[k])
-        raise JobConfigError(
-            "output_exists",
-            f"{output} holds a job run with other settings ({', '.join(changed)} differ); "
-            "re-run with the same settings to resume, or pass overwrite to start again",
-            "output",
-        )
-    fs.makedirs(directory, exist_ok=True)
-    shards.clear_aside(fs, directory)
-    committed = {s.file for s in existing.shards}
-    for path in fs.ls(directory, detail=False):
-        name = posixpath.basename(path)
-        if name.startswith("part-") and name not in committed:
-            fs.rm(path)
-    shards.truncate(fs, errors_path, existing.errors_bytes)
-    return existing
-
-
 def _shards(
-    table, columns: list[str], shard_rows: int, skip: int
-) -> Iterator[tuple[int, pa.Table]]:
-    """(first row, rows) of each shard of `shard_rows` input rows from row `skip` on (a multiple
-    of shard_rows), holding one shard at a time."""
+    table, columns: list[str], shard_rows: int, wanted: Callable[[int], bool]
+) -> Iterator[tuple[int, int, pa.Table]]:
+    """(index, first row, rows) of each wanted shard of `shard_rows` input rows, in order,
+    holding one shard at a time (the rows of shards not wanted are read and dropped)."""
     pending: list[pa.RecordBatch] = []
-    held = 0
-    row = 0  # input rows read so far
-    first = skip
+    held = index = 0
     for batch in table.batches(columns, shard_rows):
-        if row + batch.num_rows <= skip:  # committed by an earlier run
-            row += batch.num_rows
-            continue
-        if row < skip:
-            batch = batch.slice(skip - row)
-            row = skip
-        row += batch.num_rows
-        pending.append(batch)
-        held += batch.num_rows
-        while held >= shard_rows:
-            rows = pa.Table.from_batches(pending).combine_chunks()
-            yield first, rows.slice(0, shard_rows)
-            rest = rows.slice(shard_rows)
-            pending, held = rest.to_batches(), rest.num_rows
-            first += shard_rows
-    if held:
-        yield first, pa.Table.from_batches(pending).combine_chunks()
+        while batch.num_rows:
+            take = min(batch.num_rows, shard_rows - held)
+            if wanted(index):
+                pending.append(batch.slice(0, take))
+            batch, held = batch.slice(take), held + take
+            if held == shard_rows:
+                if pending:
+                    yield index, index * shard_rows, pa.Table.from_batches(pending)
+                pending, held, index = [], 0, index + 1
+    if pending:
+        yield index, index * shard_rows, pa.Table.from_batches(pending)
 
 
 def _jsonable(value: Any) -> Any:

@@ -15,21 +15,25 @@ import fsspec
 
 from tpuscore.jobs.shards import commit
 
-FORMAT = "tpuscore-job/1"
+FORMAT = "tpuscore-job/2"
 
 
 @attrs.frozen
 class ShardRecord:
-    """A committed shard: its file (in the output directory), its input rows [first_row,
-    first_row + rows), the rows written (rows less the errors) and the errors file's length
-    once its errors were appended."""
+    """A committed shard: its file (in the output directory) with its size and sha256, its
+    input rows [first_row, first_row + rows), the rows written (rows less the errors), and its
+    errors: their count, the errors file's length once they were appended and the sha256 of the
+    lines they added (a resume verifies both files against these)."""
 
     file: str
     first_row: int
     rows: int
     written: int
+    bytes: int
+    sha256: str
     errors: int
     errors_bytes: int
+    errors_sha256: str
 
 
 @attrs.frozen
@@ -51,7 +55,13 @@ class Manifest:
         return self.shards[-1].errors_bytes if self.shards else 0
 
     def committed(self, shard: ShardRecord) -> Manifest:
-        return attrs.evolve(self, shards=(*self.shards, shard))
+        """With `shard` added after the others, or in place of the record of its file."""
+        shards = list(self.shards)
+        for i, old in enumerate(shards):
+            if old.file == shard.file:
+                shards[i] = shard
+                return attrs.evolve(self, shards=tuple(shards))
+        return attrs.evolve(self, shards=(*shards, shard))
 
     def to_json(self) -> dict[str, Any]:
         return {

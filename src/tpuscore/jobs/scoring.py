@@ -21,19 +21,15 @@ from typing import Any
 import attrs
 import numpy as np
 import pyarrow as pa
-import scipy.special
 
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
+from tpuscore.jobs import values
 from tpuscore.jobs.grouping import freeze, group_rows
 
 # Score options a row may carry in a column of the same name, where the job does not set them.
 ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate")
 PAIRS, REQUESTS = "pairs", "requests"
-# Validation runs over every request, in order, before any is scored: a request that is always
-# invalid, put last, makes `score_batch` a validator that never runs the model.
-_SENTINEL = {"query": None, "items": []}
-_LOCATED = re.compile(r"^requests\[(\d+)\](?:\.(.*))?$")
 
 
 class JobConfigError(ValidationError):
@@ -42,7 +38,8 @@ class JobConfigError(ValidationError):
 
 @attrs.frozen
 class RowError:
-    """A row that could not be scored: its number, ids and the validation error."""
+    """A row that could not be scored: its number, its ids (as JSON values, `values.to_json`)
+    and the validation error."""
 
     row: int
     ids: dict[str, Any]
@@ -103,8 +100,9 @@ class Spec:
     truncate: str | None = None
     item_first: bool = False
 
-    def options(self) -> dict[str, Any]:
-        """The score options the job sets for every row."""
+    def options(self, classification: bool = False) -> dict[str, Any]:
+        """The score options the job sets for every row (`classification`: for a model that
+        scores its own classes, so a template brings its rendering and suffix, not labels)."""
         options: dict[str, Any] = {}
         if self.template is not None:
             tmpl = templates.get(self.template)
@@ -116,11 +114,22 @@ class Spec:
                         f"item suffix; do not also give {name}",
                         name,
                     )
-            options.update(labels=list(tmpl.labels), item_suffix=tmpl.item_suffix)
+            options["item_suffix"] = tmpl.item_suffix
+            if not classification:
+                options["labels"] = list(tmpl.labels)
         elif self.instruction is not None:
             raise JobConfigError(
                 "invalid_argument", "instruction is only used with a template", "instruction"
             )
+        if classification:
+            for name in ("labels", "label_token_ids"):
+                if getattr(self, name) is not None:
+                    raise JobConfigError(
+                        "labels_on_classification_model",
+                        f"{name} were given, but the model has a classification head: it "
+                        "scores its own classes; leave out labels and label_token_ids",
+                        name,
+                    )
         if self.labels is not None and self.label_token_ids is not None:
             raise JobConfigError(
                 "invalid_argument", "give labels or label_token_ids, not both", "labels"
@@ -135,10 +144,12 @@ class Spec:
             options["item_first"] = True
         return options
 
-    def layout(self, schema: pa.Schema) -> Layout:
-        """How this spec reads a table of `schema`; a missing column or a bad setting raises
-        `JobConfigError`."""
-        options = self.options()
+    def layout(self, schema: pa.Schema, classes: Sequence[str] | None = None) -> Layout:
+        """How this spec reads a table of `schema`, for a causal LM or (`classes`: its class
+        names, `classes_of(scorer)`) a classification model; a missing column or a bad setting
+        raises `JobConfigError`."""
+        classification = classes is not None
+        options = self.options(classification)
         names = schema.names
         item_column = self.item_column
         if item_column is None:
@@ -160,10 +171,10 @@ class Spec:
                 )
         shape = REQUESTS if _holds_items(schema.field(item_column).type) else PAIRS
         row_options = tuple(n for n in ROW_OPTIONS if n in names and n not in options)
-        if "labels" in options or "label_token_ids" in options:
+        if classification or "labels" in options or "label_token_ids" in options:
             row_options = tuple(n for n in row_options if n not in ("labels", "label_token_ids"))
-        fixed = options.get("labels", options.get("label_token_ids"))
-        return Layout(
+        fixed = classes if classification else options.get("labels", options.get("label_token_ids"))
+        layout = Layout(
             shape=shape,
             query_column=self.query_column,
             item_column=item_column,
@@ -171,9 +182,34 @@ class Spec:
             options=options,
             row_options=row_options,
             label_names=None if fixed is None else label_names(fixed),
+            classification=classification,
             template=self.template,
             instruction=self.instruction,
         )
+        _refuse_collisions(layout)
+        return layout
+
+
+# Output columns besides the ids and scores: the job's row number, Ray's error columns.
+OUTPUT_COLUMNS = ("row", "error_code", "error")
+
+
+def _refuse_collisions(layout: Layout) -> None:
+    """An id column whose name the output already uses (or given twice) is refused before any
+    row is read: the output would hold two columns of one name, or lose one."""
+    seen: set[str] = set()
+    taken = {*OUTPUT_COLUMNS, *layout.score_columns()}
+    for column in layout.id_columns:
+        if column in seen or column in taken:
+            why = "is given twice" if column in seen else "is also an output column"
+            raise JobConfigError(
+                "column_collision",
+                f"id column {column!r} {why}; the output's columns are row, the id columns, "
+                f"{', '.join(layout.score_columns())} (and error_code, error from Ray); rename "
+                "it in the input",
+                "id_columns",
+            )
+        seen.add(column)
 
 
 def _holds_items(t: pa.DataType) -> bool:
@@ -183,6 +219,15 @@ def _holds_items(t: pa.DataType) -> bool:
         return False
     inner = t.value_type
     return not pa.types.is_integer(inner)
+
+
+def classes_of(scorer: Any) -> tuple[str, ...] | None:
+    """A classification model's class names (id2label, else their positions); None for a
+    causal LM, which is scored by label tokens."""
+    config = scorer.config
+    if not config.num_labels:
+        return None
+    return tuple(config.id2label) or tuple(str(i) for i in range(config.num_labels))
 
 
 def label_names(labels: Sequence[Any]) -> list[str]:
@@ -207,6 +252,13 @@ class Layout:
     label_names: list[str] | None  # None: labels per row, in list columns
     template: str | None
     instruction: str | None
+    classification: bool = False
+
+    @property
+    def kinds(self) -> tuple[str, str]:
+        """The score columns' prefixes: what `ScoreResult.logprobs` holds (log-probabilities,
+        or a classification head's logits), then `label_probs` (scores)."""
+        return ("logit" if self.classification else "logprob"), "score"
 
     @property
     def columns(self) -> list[str]:
@@ -215,9 +267,20 @@ class Layout:
         return list(dict.fromkeys(needed))
 
     def score_columns(self) -> list[str]:
+        """The output's score columns, in order."""
         if self.label_names is None:
-            return ["logprobs", "scores"]
-        return [f"{kind}_{name}" for kind in ("logprob", "score") for name in self.label_names]
+            return [f"{kind}s" for kind in self.kinds]
+        return [f"{kind}_{name}" for kind in self.kinds for name in self.label_names]
+
+    def score_schema(self) -> pa.Schema:
+        """The score columns' names and types: float32 per (pair row, label), a list of them
+        per item for request rows, and one more list level for labels per row."""
+        t = pa.float32()
+        if self.shape == REQUESTS:
+            t = pa.list_(t)
+        if self.label_names is None:
+            t = pa.list_(t)
+        return pa.schema([(name, t) for name in self.score_columns()])
 
 
 @attrs.frozen
@@ -248,14 +311,15 @@ def score_rows(
     backend: str | None = None,
     fail_fast: bool = False,
 ) -> Scored:
-    """Score `batch`'s rows with `scorer.score_batch` in one call.
+    """Score `batch`'s rows with one `scorer.run` call over the requests `scorer.prepare`
+    accepts; a request it refuses sets its rows aside, each with its own typed error.
 
     Args:
         scorer: a `tpuscore.Scorer`.
-        layout: `Spec.layout` of the batch's schema.
+        layout: `Spec.layout` of the batch's schema (and the scorer's classes).
         batch: rows holding at least `layout.columns`.
         first_row: the number of the batch's first row in its table, for error records.
-        backend: as `score_batch` takes it.
+        backend: as `Scorer.run` takes it.
         fail_fast: raise `RowFailed` at the first bad row instead of setting it aside.
 
     Raises:
@@ -264,40 +328,42 @@ def score_rows(
         ValidationError: the backend cannot run these requests (`unknown_backend`).
     """
     n = batch.num_rows
-    ids = {c: batch.column(c).to_pylist() for c in layout.id_columns}
-    errors: dict[int, RowError] = {}
+    errors: dict[int, ValidationError] = {}
 
     def reject(row: int, e: ValidationError) -> None:
-        error = RowError(first_row + row, {c: v[row] for c, v in ids.items()}, *_unlocated(e))
         if fail_fast:
-            raise RowFailed(error)
-        errors[row] = error
+            raise RowFailed(_row_error(layout, batch, first_row, row, e))
+        errors[row] = e
 
-    units = _units(layout, batch, reject)
-    try:
-        results = scorer.score_batch([u.request for u in units], backend=backend)
-    except ValidationError as e:  # validation runs first: nothing was scored
-        k, _ = _location(e)
-        repaired = _repair(scorer, units[k], e, layout, reject)
-        rest = _runnable(scorer, units[k + 1 :], layout, reject)
-        units = units[:k] + ([repaired] if repaired is not None else []) + rest
-        results = scorer.score_batch([u.request for u in units], backend=backend)
+    units, prepared = [], []
+    for unit in _units(layout, batch, reject):
+        ready = _prepare(scorer, unit, layout, reject)
+        if ready is not None:
+            units.append(ready[0])
+            prepared.append(ready[1])
+    results = scorer.run(prepared, backend=backend)
 
     backends: collections.Counter = collections.Counter()
-    logprobs: list[Any] = [None] * n  # per row: [labels] (pairs) or [items, labels]
+    per_row: list[Any] = [None] * n  # per row: (raw, scores), [labels] or [items, labels]
     for unit, result in zip(units, results, strict=True):
         backends[result.backend] += len(result.logprobs)
         if layout.shape == PAIRS:
-            for row, lp in zip(unit.rows, result.logprobs, strict=True):
-                logprobs[row] = lp
+            for k, row in enumerate(unit.rows):
+                per_row[row] = (result.logprobs[k], result.label_probs[k])
         else:
-            logprobs[unit.rows[0]] = result.logprobs
+            per_row[unit.rows[0]] = (result.logprobs, result.label_probs)
     failed = np.zeros(n, bool)
     failed[list(errors)] = True
     columns = {c: batch.column(c) for c in layout.id_columns}
-    columns.update(_score_columns(layout, logprobs))
-    table = pa.table(columns)
-    return Scored(table, failed, [errors[r] for r in sorted(errors)], backends)
+    columns.update(_score_columns(layout, per_row))
+    rejected = [_row_error(layout, batch, first_row, r, errors[r]) for r in sorted(errors)]
+    return Scored(pa.table(columns), failed, rejected, backends)
+
+
+def _row_error(layout: Layout, batch, first_row: int, row: int, e: ValidationError) -> RowError:
+    """The `RowError` of a batch's row: its number, its ids as JSON values, the error."""
+    ids = {c: values.to_json(batch.column(c).slice(row, 1))[0] for c in layout.id_columns}
+    return RowError(first_row + row, ids, e.code, str(e), e.param)
 
 
 def _units(layout: Layout, batch, reject) -> list[_Unit]:
@@ -354,120 +420,69 @@ def _render(tmpl: templates.Template, layout: Layout, query: Any, items: Any) ->
     )
 
 
-def _runnable(scorer: Any, units: list[_Unit], layout: Layout, reject) -> list[_Unit]:
-    """`units` without their bad rows (each passed to `reject`), found by validation alone: the
-    model runs nothing here. Linear in the units, whatever the number of bad rows."""
-    kept: list[_Unit] = []
-    start = 0
-    while start < len(units):
-        located = _first_invalid(scorer, [u.request for u in units[start:]])
-        if located is None:
-            kept.extend(units[start:])
-            break
-        k, e = located
-        kept.extend(units[start : start + k])
-        repaired = _repair(scorer, units[start + k], e, layout, reject)
-        if repaired is not None:
-            kept.append(repaired)
-        start += k + 1
-    return kept
-
-
-def _first_invalid(scorer: Any, requests: list[dict]) -> tuple[int, ValidationError] | None:
-    """(index, error) of the first request `score_batch` refuses, or None: all are valid."""
+def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, Any] | None:
+    """(the unit, its prepared request) without the unit's bad rows (each passed to `reject`
+    with its own error), or None when none is left. An error in an option the job set for
+    every row is the job's (`JobConfigError`)."""
     try:
-        scorer.score_batch([*requests, _SENTINEL])
+        return unit, scorer.prepare(**unit.request)
     except ValidationError as e:
-        index, _ = _location(e)
-        return None if index == len(requests) else (index, e)
-    raise RuntimeError("score_batch accepted a request without a query")
-
-
-def _location(e: ValidationError) -> tuple[int, str]:
-    """(request index, parameter within it) of a `score_batch` error; one that names no request
-    is not a row's fault and is raised again."""
-    match = _LOCATED.match(e.param or "")
-    if match is None:
-        raise e
-    return int(match.group(1)), match.group(2) or ""
-
-
-def _unlocated(e: ValidationError) -> tuple[str, str, str | None]:
-    """(code, message, param) of a `score_batch` error without its "requests[i]" location."""
-    _, param = _location(e)
-    message = re.sub(r"^requests\[\d+\]: ", "", str(e))
-    return e.code, message, param or None
-
-
-def _repair(scorer: Any, unit: _Unit, e: ValidationError, layout: Layout, reject) -> _Unit | None:
-    """The unit without its bad rows (rejected), or None when none is left. The error is the
-    job's when it names an option the job set for every row."""
-    _, param = _location(e)
-    name = re.split(r"[.\[]", param, maxsplit=1)[0]
+        error = e
+    name = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
     if name in layout.options:
-        code, message, param = _unlocated(e)
-        raise JobConfigError(code, message, param)
-    if len(unit.rows) == 1 or not name.startswith("items"):
+        raise JobConfigError(error.code, str(error), error.param)
+    if len(unit.rows) == 1 or name != "items":
         for row in unit.rows:
-            reject(row, e)
+            reject(row, error)
         return None
-    # A query's pair rows: find the bad items one at a time, each validated on its own.
-    singles = [{**unit.request, "items": [item]} for item in unit.request["items"]]
+    # A query's pair rows: each item prepared on its own finds the bad ones.
     good = []
-    start = 0
-    while start < len(singles):
-        located = _first_invalid(scorer, singles[start:])
-        if located is None:
-            good.extend(range(start, len(singles)))
-            break
-        k, single_error = located
-        good.extend(range(start, start + k))
-        reject(unit.rows[start + k], single_error)
-        start += k + 1
-    if len(good) == len(singles):  # no item is bad alone: the error is the request's
+    for k, item in enumerate(unit.request["items"]):
+        try:
+            scorer.prepare(**{**unit.request, "items": [item]})
+            good.append(k)
+        except ValidationError as e:
+            reject(unit.rows[k], e)
+    if len(good) == len(unit.rows):  # no item is bad alone: the error is the request's
         for row in unit.rows:
-            reject(row, e)
+            reject(row, error)
         return None
     if not good:
         return None
-    request = {**unit.request, "items": [unit.request["items"][g] for g in good]}
-    return _Unit([unit.rows[g] for g in good], request)
+    request = {**unit.request, "items": [unit.request["items"][k] for k in good]}
+    return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject)
 
 
-def _score_columns(layout: Layout, logprobs: list[Any]) -> dict[str, pa.Array]:
-    """Per-row logprobs (None for a failed row) as the output's score columns."""
-    n = len(logprobs)
+def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
+    """Per-row (raw, scores) values (None for a failed row) as the output's score columns:
+    `ScoreResult.logprobs` (log-probabilities, or a classification head's logits) and
+    `ScoreResult.label_probs` (the softmax over the labels, or the class probabilities)."""
+    raw_kind, score_kind = layout.kinds
     if layout.label_names is None:  # labels per row: list columns
-        lp = [None if x is None else np.asarray(x, np.float32) for x in logprobs]
-        sm = [None if x is None else scipy.special.softmax(x, axis=-1) for x in lp]
-        return {"logprobs": _lists(lp, layout.shape), "scores": _lists(sm, layout.shape)}
+        return {
+            f"{raw_kind}s": _lists([None if x is None else x[0] for x in per_row], layout.shape),
+            f"{score_kind}s": _lists([None if x is None else x[1] for x in per_row], layout.shape),
+        }
     labels = len(layout.label_names)
+    ok = np.array([x is not None for x in per_row], bool)
     columns: dict[str, pa.Array] = {}
-    if layout.shape == PAIRS:
-        lp = np.full((n, labels), np.nan, np.float32)
-        ok = np.array([x is not None for x in logprobs], bool)
-        if ok.any():
-            lp[ok] = np.stack([x for x in logprobs if x is not None])
-        sm = scipy.special.softmax(lp, axis=1).astype(np.float32)
-        for kind, values in (("logprob", lp), ("score", sm)):
+    for part, kind in enumerate(layout.kinds):
+        if layout.shape == PAIRS:
+            values = np.full((len(per_row), labels), np.nan, np.float32)
+            if ok.any():
+                values[ok] = np.stack([x[part] for x in per_row if x is not None])
             for j, name in enumerate(layout.label_names):
                 columns[f"{kind}_{name}"] = pa.array(values[:, j], mask=~ok)
-        return columns
-    for kind in ("logprob", "score"):
+            continue
         for j, name in enumerate(layout.label_names):
-            per_row = []
-            for x in logprobs:
-                if x is None:
-                    per_row.append(None)
-                    continue
-                x = np.asarray(x, np.float32).reshape(-1, labels)
-                v = x if kind == "logprob" else scipy.special.softmax(x, axis=1)
-                per_row.append(v[:, j].astype(np.float32))
-            columns[f"{kind}_{name}"] = pa.array(per_row, type=pa.list_(pa.float32()))
+            column = [None if x is None else np.asarray(x[part][:, j], np.float32) for x in per_row]
+            columns[f"{kind}_{name}"] = pa.array(column, type=pa.list_(pa.float32()))
     return columns
 
 
 def _lists(values: list[Any], shape: str) -> pa.Array:
     """Per-row float arrays (None: null) as list<float32> (pairs) or list<list<float32>>."""
     kind = pa.list_(pa.float32()) if shape == PAIRS else pa.list_(pa.list_(pa.float32()))
-    return pa.array([None if v is None else v.astype(np.float32).tolist() for v in values], kind)
+    return pa.array(
+        [None if v is None else np.asarray(v, np.float32).tolist() for v in values], kind
+    )

@@ -16,7 +16,8 @@ import fsspec
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 
-from tpuscore.jobs.tables import write_table
+from tpuscore.jobs import fingerprints
+from tpuscore.jobs.tables import table_bytes
 
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
@@ -50,12 +51,45 @@ def commit(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     fs.mv(aside, path)
 
 
-def commit_table(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, fmt: str) -> None:
-    """Write `table` to `path` atomically, as Parquet or JSON Lines."""
-    aside = _aside(path)
-    write_table(table, fs, aside, fmt)
-    _durable(fs, aside)
-    fs.mv(aside, path)
+def commit_table(
+    fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, fmt: str
+) -> tuple[int, str]:
+    """Write `table` to `path` atomically, as Parquet or JSON Lines; returns the file's size
+    and sha256, for the manifest."""
+    data = table_bytes(table, fmt)
+    commit(fs, path, data)
+    return len(data), fingerprints.of_bytes(data)
+
+
+def verified(fs: fsspec.AbstractFileSystem, path: str, size: int, sha256: str) -> bool:
+    """Whether `path` exists with this size and sha256."""
+    try:
+        return fs.size(path) == size and fingerprints.of_file(fs, path) == sha256
+    except FileNotFoundError:
+        return False
+
+
+def intact_segments(
+    fs: fsspec.AbstractFileSystem, path: str, segments: list[tuple[int, str]]
+) -> int:
+    """How many of the consecutive (length, sha256) segments at the start of `path` are
+    there, in order, each with its sha256."""
+    if not fs.exists(path):
+        return _empty_prefix(segments)
+    with fs.open(path, "rb") as f:
+        for count, (length, sha256) in enumerate(segments):
+            data = f.read(length)
+            if len(data) != length or fingerprints.of_bytes(data) != sha256:
+                return count
+    return len(segments)
+
+
+def _empty_prefix(segments: list[tuple[int, str]]) -> int:
+    """The segments a missing file still holds: the leading empty ones."""
+    count = 0
+    while count < len(segments) and segments[count][0] == 0:
+        count += 1
+    return count
 
 
 def clear_aside(fs: fsspec.AbstractFileSystem, directory: str) -> None:

@@ -128,17 +128,23 @@ def _read(f, fmt: str, columns: list[str], batch_rows: int) -> Iterator[pa.Recor
     yield from _open_stream(f, fmt, columns)
 
 
-def write_table(table: pa.Table, fs: fsspec.AbstractFileSystem, path: str, fmt: str) -> None:
-    """Write `table` to `path` as Parquet or JSON Lines (one object per row, columns in order)."""
-    with fs.open(path, "wb") as f:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
+def table_bytes(table: pa.Table, fmt: str) -> bytes:
+    """`table` as a Parquet file or JSON Lines (one object per row, columns in order, values as
+    `values.to_json` writes them)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
 
-            pq.write_table(table, f)
-        elif fmt == "jsonl":
-            import json
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        return sink.getvalue().to_pybytes()
+    if fmt == "jsonl":
+        import json
 
-            for row in table.to_pylist():
-                f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
-        else:
-            raise TableError(f"cannot write {fmt}; output is parquet or jsonl")
+        from tpuscore.jobs.values import to_json
+
+        names, columns = table.column_names, [to_json(column) for column in table.columns]
+        rows = (dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True))
+        return "".join(
+            json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows
+        ).encode()
+    raise TableError(f"cannot write {fmt}; output is parquet or jsonl")

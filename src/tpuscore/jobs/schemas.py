@@ -1,0 +1,74 @@
+"""A job's output schema in its manifest, and the output and errors file read back with it:
+`read_output` and `read_errors` give every id column the Arrow type it had in the input, from
+Parquet or from the JSON the errors file and a JSON Lines output hold (`values`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import posixpath
+
+import pyarrow as pa
+
+from tpuscore.jobs import manifest as manifests
+from tpuscore.jobs import values
+from tpuscore.jobs.output import paths
+from tpuscore.jobs.tables import TableError, filesystem
+
+ERROR_FIELDS = [
+    pa.field("code", pa.string()),
+    pa.field("message", pa.string()),
+    pa.field("param", pa.string()),
+]
+
+
+def encode(schema: pa.Schema) -> str:
+    """A schema as text for the manifest (Arrow's IPC form, base64)."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def decode(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def _manifest(output: str | os.PathLike):
+    fs, path = filesystem(os.fspath(output))
+    directory, manifest_path, errors_path = paths(path)
+    manifest = manifests.load(fs, manifest_path)
+    if manifest is None:
+        raise TableError(f"{output} has no manifest ({manifest_path}): not a job's output")
+    return fs, directory, errors_path, manifest, decode(manifest.settings["output_schema"])
+
+
+def read_output(output: str | os.PathLike) -> pa.Table:
+    """The committed rows of a job's output, in row order, with the types of its schema."""
+    fs, directory, _, manifest, schema = _manifest(output)
+    tables = []
+    for record in manifest.shards:
+        with fs.open(posixpath.join(directory, record.file), "rb") as f:
+            if manifest.settings["output_format"] == "parquet":
+                import pyarrow.parquet as pq
+
+                # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
+                tables.append(pq.read_table(f).cast(schema))
+                continue
+            rows = [json.loads(line) for line in f.read().decode().splitlines()]
+        columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
+        tables.append(pa.Table.from_arrays(columns, schema=schema))
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def read_errors(output: str | os.PathLike) -> pa.Table:
+    """The errors file of a job's output as a table: row, the id columns (their input types),
+    code, message, param."""
+    fs, _, errors_path, manifest, schema = _manifest(output)
+    ids = [f for f in schema if f.name in manifest.settings["spec"]["id_columns"]]
+    errors_schema = pa.schema([pa.field("row", pa.int64()), *ids, *ERROR_FIELDS])
+    with fs.open(errors_path, "rb") as f:
+        data = f.read(manifest.errors_bytes).decode()
+    lines = [json.loads(line) for line in data.splitlines()]
+    columns = [values.from_json([e["row"] for e in lines], pa.int64())]
+    columns += [values.from_json([e["ids"][f.name] for e in lines], f.type) for f in ids]
+    columns += [pa.array([e[f.name] for e in lines], f.type) for f in ERROR_FIELDS]
+    return pa.Table.from_arrays(columns, schema=errors_schema)
