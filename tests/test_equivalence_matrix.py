@@ -2,12 +2,10 @@
 Batcher (split over steps and not), every HTTP endpoint that scores, a job (Parquet and JSON
 Lines) and Ray Data, for a causal LM, a one-logit and a three-class classification model.
 
-Within float rounding (the documented 1e-5) in the default mode; bit-identical in
+Within the default mode's documented alone-against-batched bound; bit-identical in
 batch-invariant mode. Hypothesis draws the requests: item counts and lengths on both sides of
 each door's split threshold (the Batcher's per-step cap, rank's progress pages, a job's shard),
-labels, softmax or not. Each door is its own test, so that a door known broken elsewhere is
-marked on its own: rows marked `xfail(strict=True, reason="fixed on branch jobs")` fail here
-until that branch lands (then the strict mark fails: remove it)."""
+labels, softmax or not. Each door is its own test, so a broken door fails on its own."""
 
 import json
 import os
@@ -20,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import ALONE_VS_BATCHED
 from test_server import TEMPLATE
 from tpuscore import Batcher, Scorer
 from tpuscore.tasks import ranking
@@ -31,8 +30,6 @@ LABELS = ("a", "b", "x", "e")  # single tokens in the tests' tokenizer
 CHARS = "abcdefghij klmnop"
 STEP_TOKENS = 24  # the split Batcher's per-step cap: drawn requests fall on both sides
 PAGE_ITEMS = 2  # rank's progress pages, and a job's shard rows, around the drawn item counts
-ATOL = 1e-5  # the default mode's documented bound (docs/batch-invariance.md), float32
-JOBS_BRANCH = pytest.mark.xfail(strict=True, reason="fixed on branch jobs")
 QUICK = hypothesis.settings(
     max_examples=int(os.environ.get("TPUSCORE_MATRIX_EXAMPLES", 3)),
     deadline=None,
@@ -111,7 +108,7 @@ def check(got: np.ndarray, expected: np.ndarray, mode: str, what: str) -> None:
     if mode == "batch_invariant":
         np.testing.assert_array_equal(got, expected, err_msg=what)
     else:
-        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=1e-6, err_msg=what)
+        np.testing.assert_allclose(got, expected, **ALONE_VS_BATCHED, err_msg=what)
 
 
 def check_result(result, reference, mode: str, what: str) -> None:
@@ -237,7 +234,12 @@ def job_columns(doors: Doors, labels: list[str] | None) -> tuple[list[str], list
 
 def job_params(fmt: str):
     return [
-        pytest.param(c, m, fmt, id=f"{c}-{m}-{fmt}", marks=[JOBS_BRANCH] if c != CAUSAL else [])
+        pytest.param(
+            c,
+            m,
+            fmt,
+            id=f"{c}-{m}-{fmt}",
+        )
         for c, m in CASE_MODES
     ]
 
@@ -308,7 +310,11 @@ def ray_cluster():
 
 def ray_params():
     return [
-        pytest.param(c, m, id=f"{c}-{m}", marks=[JOBS_BRANCH] if c != CAUSAL else [])
+        pytest.param(
+            c,
+            m,
+            id=f"{c}-{m}",
+        )
         for c, m in CASE_MODES
     ]
 
