@@ -125,8 +125,8 @@ class HeldScorer:
     """The scorer, whose `run` waits for `release` after telling `entered`."""
 
     def __init__(self, scorer):
-        self.engine = scorer.engine
         self._scorer = scorer
+        self.prepare_request = scorer.prepare_request  # the Batcher's Scoring protocol
         self.entered, self.release = threading.Event(), threading.Event()
 
     def run(self, requests, backend=None):

@@ -74,8 +74,6 @@ DEFAULT_MAX_ITEMS = RequestLimits().max_items
 # Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
 # balancers (AWS ALB, GCP's and nginx's defaults are 60 s or less), uvicorn's 5 s is not.
 DEFAULT_KEEP_ALIVE_S = 75
-# The paths that take SGLang's and vLLM's score bodies, and answer in the body's dialect.
-SCORE_PATHS = ("/v1/score", "/score")
 # A request past a size bound (`RequestLimits`) is well formed but more than this server takes.
 SIZE_CODES = frozenset(
     {"too_many_items", "too_many_labels", "too_many_scores", "too_many_queries"}
@@ -564,6 +562,8 @@ async def request_invalid(request: Request, exc: RequestValidationError) -> Resp
     loc = error.get("loc") or ()
     if len(loc) > 1 and loc[1] in protocol.VLLM_SHAPES:  # the score body's shape tag
         dialects.speak(request.scope, "vllm")
+    elif len(loc) > 1 and loc[1] == "tei":  # TEI's body on /rerank or /tokenize
+        dialects.speak(request.scope, "tei")
     code, param, message = protocol.error_fields(error)
     return dialects.error_response(request.scope, 400, code, message, param)
 
@@ -727,7 +727,7 @@ def create_app(
             methods=["POST"],
             response_model=model,
             responses=dialects.documented_errors(
-                ("sglang", "vllm") if path in SCORE_PATHS else dialects.DIALECT_BY_PATH[path]
+                dialects.SHARED_PATHS.get(path, dialects.DIALECT_BY_PATH[path])
             ),
             route_class_override=JsonBodyRoute,
         )

@@ -36,7 +36,7 @@ from starlette.types import Scope
 
 from tpuscore.api.messages import short
 
-Dialect = Literal["vllm", "sglang", "cohere", "tpuscore"]
+Dialect = Literal["vllm", "sglang", "cohere", "tei", "tpuscore"]
 DIALECT_BY_PATH: dict[str, Dialect] = {
     "/v1/score": "sglang",
     "/score": "vllm",
@@ -46,6 +46,13 @@ DIALECT_BY_PATH: dict[str, Dialect] = {
     "/rerank": "vllm",
     "/v2/rerank": "cohere",
     "/v1/completions": "vllm",  # OpenAI's shape, as vLLM serves it
+}
+# Paths whose body decides the dialect (dialect_of): every dialect they may answer in.
+SHARED_PATHS: dict[str, tuple[Dialect, ...]] = {
+    "/v1/score": ("sglang", "vllm"),
+    "/score": ("sglang", "vllm"),
+    "/rerank": ("vllm", "tei"),
+    "/tokenize": ("vllm", "tei"),
 }
 SCOPE_KEY = "tpuscore.dialect"
 CODE_HEADER = "X-Error-Code"
@@ -107,10 +114,23 @@ class CohereError(BaseModel):
     message: str
 
 
+class TeiError(BaseModel):
+    """TEI's error (router/src/http/types.rs `ErrorResponse`): a message and its kind."""
+
+    error: str
+    error_type: str
+
+
+# TEI's `error_type` by status (its ErrorType, lowercase as it serializes it): a refused input
+# is "validation", a full queue "overloaded", a failed or late step "backend".
+TEI_TYPES = {500: "backend", 503: "overloaded", 504: "backend"}
+
+
 ERROR_MODELS: dict[Dialect, type[BaseModel]] = {
     "vllm": VllmError,
     "sglang": SglangError,
     "cohere": CohereError,
+    "tei": TeiError,
     "tpuscore": ErrorBody,
 }
 
@@ -148,6 +168,10 @@ def error_body(
         return SglangError(message=message, type=peer_type(status), param=param, code=status)
     if dialect == "cohere":
         return CohereError(message=message)
+    if dialect == "tei":  # no field for the location: the message names it
+        if param is not None and not message.startswith(param):
+            message = f"{param}: {message}"
+        return TeiError(error=message, error_type=TEI_TYPES.get(status, "validation"))
     kind = TPUSCORE_TYPES.get(status, "invalid_request_error")
     return ErrorBody(message=message, type=kind, param=param, code=code)
 

@@ -34,7 +34,8 @@ from starlette.responses import Response
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.results import ScoreResult
-from tpuscore.serving import protocol
+from tpuscore.serving import dialects, protocol
+from tpuscore.serving.dialects import JSONResponse
 
 if TYPE_CHECKING:
     from tpuscore.serving.app import Service
@@ -164,10 +165,16 @@ def log_odds(result: ScoreResult, positive: int) -> np.ndarray:
 
 async def rerank(service: Service, request: Request, body: TeiRerankRequest) -> Response:
     """TEI's rerank: every text's relevance to the query under the server's template."""
-    from tpuscore.serving.app import JSONResponse, wire_names  # app imports this module
+    from tpuscore.serving.app import wire_names  # app imports this module
 
     texts = body.texts
-    service.check_count(texts, "texts")
+    validation.check_size(
+        service.limits,
+        items=("texts", texts),
+        values={"query": body.query},
+        num_labels=service.num_labels,
+    )
+    validation.check_texts({"query": body.query, "texts": texts})  # before anything tokenizes
     # Each distinct text is scored once: equal texts get equal scores, so TEI's tie order holds.
     distinct = list(dict.fromkeys(texts))
     t = service.template
@@ -229,13 +236,10 @@ def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiTo
 
 async def tokenize(service: Service, body: TeiTokenizeRequest) -> Response:
     """TEI's tokenize: each input's tokens under the served model's tokenizer."""
-    from tpuscore.serving.app import JSONResponse
-
     tokenizer = service.require_tokenizer("inputs")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    service.check_count(inputs, "inputs")
-    for j, text in enumerate(inputs):
-        validation.check_text(text, "inputs" if isinstance(body.inputs, str) else f"inputs[{j}]")
+    validation.check_size(service.limits, items=("inputs", inputs), values={"inputs": inputs})
+    validation.check_texts({"inputs": body.inputs})
     response = TeiTokenizeResponse(
         [tokens_of(tokenizer, text, body.add_special_tokens) for text in inputs]
     )
@@ -249,12 +253,14 @@ def routes(service: Service) -> list[tuple[str, Callable[..., Any], Any]]:
     async def rerank_any(request: Request, body: AnyRerankRequest) -> Response:
         """TEI's rerank (`texts`), or Cohere v1's / Jina's / vLLM's (`documents`)."""
         if isinstance(body, TeiRerankRequest):
+            dialects.speak(request.scope, "tei")
             return await rerank(service, request, body)
         return await service.rerank_v1(request, body)
 
-    async def tokenize_any(body: AnyTokenizeRequest) -> Response:
+    async def tokenize_any(request: Request, body: AnyTokenizeRequest) -> Response:
         """TEI's tokenize (`inputs`), or vLLM's (`prompt`)."""
         if isinstance(body, TeiTokenizeRequest):
+            dialects.speak(request.scope, "tei")
             return await tokenize(service, body)
         return await service.tokenize(body)
 
