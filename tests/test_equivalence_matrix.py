@@ -214,6 +214,9 @@ def test_every_http_endpoint_that_scores_equals_the_library(doors, case, mode):
             assert got.status_code == 200, (path, got.text)
             ranked = [(x["index"], x["relevance_score"]) for x in got.json()["results"]]
             check_ranked(ranked, relevance, mode, path)
+        got = post("/rerank", json={"query": query, "texts": docs})  # TEI's body
+        assert got.status_code == 200, got.text
+        check_ranked([(x["index"], x["score"]) for x in got.json()], relevance, mode, "TEI")
 
     run()
 

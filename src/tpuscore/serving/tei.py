@@ -197,8 +197,13 @@ async def rerank(service: Service, request: Request, body: TeiRerankRequest) -> 
     except ValidationError as e:
         raise wire_names(e, {"items": "texts"}) from None
     service.metrics.scored(request.url.path, len(distinct), result)
-    raw = log_odds(result, service.positive)
-    by_text = dict(zip(distinct, raw if body.raw_scores else scipy.special.expit(raw), strict=True))
+    # The relevance score as every rerank door computes it (ranking.rank_result), so TEI's
+    # scores equal theirs bit for bit; raw_scores: its logit, log P(yes) - log P(no).
+    if body.raw_scores:
+        values = log_odds(result, service.positive)
+    else:
+        values = result.label_probs[:, service.positive]
+    by_text = dict(zip(distinct, values, strict=True))
     scores = [float(by_text[text]) for text in texts]
     order = sorted(range(len(texts)), key=lambda i: (scores[i], i), reverse=True)
     ranks = [
