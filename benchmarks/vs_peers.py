@@ -16,8 +16,10 @@ every system in a rotated order; tables show medians. CPU s/s is the CPU time th
 tree used during its calls over their wall time (2.0 = two busy cores), so a system that got less
 CPU on a shared machine shows it; "idle CPU" is what a peer burnt between its calls (spinning
 OpenMP threads take it from the others). Max |dlogprob| compares every system with tpuscore
-float32 on every round. A peer that is missing is printed as not installed, with its install
-command. `nox -s peers` installs both peers and runs this.
+float32 on every round. Every system gets the same cores: the driver pins itself (and so the
+peers it starts) to `--cpus` (default 0-1) before JAX starts its thread pool, llama.cpp runs two
+threads and vLLM binds its OpenMP threads to those cores. A peer that is missing is printed as
+not installed, with its install command. `nox -s peers` installs both peers and runs this.
 
     python benchmarks/vs_peers.py --vllm-python .nox/peers/vllm/bin/python
     python benchmarks/vs_peers.py --geometry 300,10,10 --rounds 1 --skip vllm-float32
@@ -200,6 +202,7 @@ def peer_systems(args, gguf: str, tmp: pathlib.Path) -> tuple[list[System], list
     systems, notes = [], []
     max_len = max(q + t for q, _, t in args.geometry) + 8
     vllm_wanted = [d for d in VLLM_DTYPES if f"vllm-{d}" not in args.skip]
+    notes += [f"{name}: skipped (--skip)" for name in args.skip]
     if vllm_wanted:
         python = args.vllm_python or sys.executable
         probe = [python, "-c", "import vllm"]
@@ -302,6 +305,15 @@ def run_geometry(geometry, systems: list[System], args, rng, vocab: int) -> list
     return rows
 
 
+def parse_cpus(text: str) -> set[int]:
+    """ "0-1" or "0,2,4-5" as a set of CPU ids."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def parse_geometry(text: str) -> tuple[int, int, int]:
     q, n, t = (int(x) for x in text.split(","))
     return q, n, t
@@ -316,9 +328,10 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", help="tpuscore's backend (default auto)")
     parser.add_argument("--vllm-python", help="the vLLM virtualenv's python (default this one)")
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--vllm-threads-bind", default="0-1",
-                        help="VLLM_CPU_OMP_THREADS_BIND (default 0-1: two threads)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    parser.add_argument("--cpus", default="0-1",
+                        help="the cores all systems run on; 'all': any")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=2,
+                        help="llama.cpp's threads with --cpus all (else one per core)")  # fmt: skip
     parser.add_argument("--llama-flash-attn", action="store_true")
     parser.add_argument("--llama-no-extra-bufts", dest="llama_extra_bufts", action="store_false",
                         help="turn off llama.cpp's AMX/repacked kernels (a GCC build crashes "
@@ -329,10 +342,19 @@ def main() -> None:
     args = parser.parse_args()
     args.geometry = args.geometry or GEOMETRIES
     args.tpuscore = args.tpuscore or TPUSCORE_DTYPES
+    args.vllm_threads_bind = None
+    if args.cpus != "all":
+        cpus = parse_cpus(args.cpus) & os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)  # before JAX sizes its thread pool; peers inherit it
+        ids = sorted(cpus)
+        contiguous = ids == list(range(ids[0], ids[-1] + 1))
+        args.vllm_threads_bind = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
+        args.threads = len(cpus)
     model, flags = cpu_info()
     gguf = str(default_model_path())
     print(f"- command: `python {' '.join(sys.argv)}`")
-    print(f"- CPU: {model}, {os.cpu_count()} cores; {', '.join(flags)}")
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"- CPU: {model}, {os.cpu_count()} cores (runs on {cores}); {', '.join(flags)}")
     print(f"- model: {os.path.basename(gguf)}; {LABELS} labels; medians of {args.rounds} "
           "interleaved rounds, a fresh query each; SGLang's geometry is (300, 10, 10)")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="vs_peers_") as tmp:
