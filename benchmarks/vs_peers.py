@@ -34,6 +34,7 @@ import os
 import pathlib
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -154,8 +155,12 @@ class Worker:
         if not line:
             self.proc.wait()
             tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
+            hint = ""
+            if self.name == "llama.cpp" and self.proc.returncode == -signal.SIGSEGV:
+                hint = (" (a GCC build crashes in llama.cpp's AMX kernels: rebuild with clang, "
+                        "or run with --llama-no-extra-bufts)")  # fmt: skip
             raise RuntimeError(
-                f"{self.name} exited with status {self.proc.returncode}; its log's end:\n  "
+                f"{self.name} exited with status {self.proc.returncode}{hint}; its log's end:\n  "
                 + "\n  ".join(tail)
             )
         return json.loads(line)
@@ -273,7 +278,7 @@ def run_geometry(geometry, systems: list[System], args, rng, vocab: int) -> list
     for s in list(live):  # warm-up: compiles tpuscore's shapes, sizes the peers' buffers
         try:
             call(s, *draw(), timed=False)
-        except RuntimeError as error:
+        except (RuntimeError, OSError) as error:
             print(f"- {s.name} failed at {geometry}: {error}", flush=True)
             live.remove(s)
     loads = [os.getloadavg()[0]]
@@ -284,7 +289,7 @@ def run_geometry(geometry, systems: list[System], args, rng, vocab: int) -> list
         for s in order:
             try:
                 results[s.name] = call(s, q, i, lab)
-            except RuntimeError as error:
+            except (RuntimeError, OSError) as error:
                 print(f"- {s.name} failed at {geometry}: {error}", flush=True)
                 live.remove(s)
         ref = results.get("tpuscore float32")
