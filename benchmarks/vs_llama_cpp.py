@@ -1,12 +1,18 @@
 """tpuscore against llama.cpp on the same Q4_1 GGUF, in one process, interleaved rounds.
 
-llama.cpp (through llama-cpp-python's low-level API, an optional peer: `pip install
-llama-cpp-python==0.3.16`) runs its best method for this workload: the query prefilled once as
-sequence 0, copied into one sequence per item (`llama_memory_seq_cp` on a unified KV cache, so
-the query's K/V are shared, not copied), then every item's tokens decoded in one `llama_batch`
-with its own seq_id (at most 63 at a time: llama.cpp's limit is 64 sequences), logits kept only
-at each item's last token; 2 threads. tpuscore scores the
-same token ids with its default backend choice ("auto") from the dequantized GGUF.
+llama.cpp (through llama-cpp-python's low-level API, an optional peer: `CMAKE_ARGS=-DGGML_NATIVE=ON
+pip install llama-cpp-python`, with CC=clang CXX=clang++ where clang exists: a GCC 12 build
+miscompiles llama.cpp's AMX kernels) runs its best method for this workload: the query
+prefilled once as sequence 0, copied into one sequence per item (`llama_memory_seq_cp` on a
+unified KV cache, so the query's K/V are shared, not copied), then every item's tokens decoded
+in one `llama_batch` with its own seq_id (at most 63 at a time: llama.cpp's limit is 64
+sequences), logits kept only at each item's last token; 2 threads. tpuscore scores the same
+token ids with its default backend choice ("auto") from the dequantized GGUF.
+
+Flash attention is set through the field the installed llama-cpp-python has (`flash_attn_type`
+from 0.3.17, where the old `flash_attn` is ignored), and the header reports the setting that
+took effect, llama.cpp's extra buffer types (its AMX and repacked kernels; `--no-extra-bufts`
+turns them off) and the CPU features the build uses (`llama_print_system_info`).
 
 Each round draws a fresh query and items (neither side's caches can hit), then times both in
 turn; the table shows medians. Scores are compared on every round.
@@ -42,29 +48,62 @@ def import_llama_cpp():
     try:
         from llama_cpp import llama_cpp
     except ImportError:
-        sys.exit("llama.cpp peer: pip install llama-cpp-python==0.3.16 (a ~20-minute build)")
+        sys.exit(f"llama.cpp peer: not installed; install it with: {LLAMA_INSTALL}")
     return llama_cpp
+
+
+LLAMA_INSTALL = (
+    'CMAKE_ARGS="-DGGML_NATIVE=ON" CC=clang CXX=clang++ pip install llama-cpp-python '
+    "(a 15-20 minute build; drop CC/CXX where clang is missing)"
+)
+FLASH_ATTN_TYPES = {-1: "auto", 0: "off", 1: "on"}  # llama.cpp's llama_flash_attn_type
 
 
 class LlamaCpp:
     """One llama.cpp context on a GGUF, scoring with a shared query prefix (module docstring)."""
 
-    def __init__(self, path: str, n_ctx: int, n_seq: int, threads: int, flash_attn: bool):
+    def __init__(
+        self, path: str, n_ctx: int, n_seq: int, threads: int, flash_attn: bool,
+        extra_bufts: bool = True,
+    ):  # fmt: skip
         lc = self.lc = import_llama_cpp()
         self._quiet = lc.llama_log_callback(lambda *_: None)  # kept alive: C holds it
         lc.llama_log_set(self._quiet, ctypes.c_void_p(0))
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        self.extra_bufts = _set_field(model_params, "use_extra_bufts", extra_bufts)
+        self.model = lc.llama_model_load_from_file(path.encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
         params = lc.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_ctx, 512
         params.n_seq_max, params.kv_unified = n_seq, True
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn = flash_attn
+        # A ctypes Structure takes any attribute name silently: set only fields it has.
+        if _has_field(params, "flash_attn_type"):
+            params.flash_attn_type = 1 if flash_attn else 0
+            self.flash_attn = FLASH_ATTN_TYPES.get(params.flash_attn_type, "?")
+        elif _has_field(params, "flash_attn"):
+            params.flash_attn = flash_attn
+            self.flash_attn = "on" if params.flash_attn else "off"
+        else:
+            self.flash_attn = "not settable in this build"
         params.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, params)
         self.memory = lc.llama_get_memory(self.ctx)
         self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+
+    def describe(self) -> str:
+        """The build and the settings that took effect, for a benchmark's header."""
+        import llama_cpp
+
+        system = self.lc.llama_print_system_info().decode(errors="replace").strip()
+        bufts = {True: "on", False: "off", None: "not settable in this build"}[self.extra_bufts]
+        return (
+            f"llama-cpp-python {llama_cpp.__version__}, flash attention {self.flash_attn}, "
+            f"extra buffer types (AMX/repacked kernels) {bufts}; system info: {system}"
+        )
 
     def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
         """Decode (token, position, seq_id, keep logits) in one batch."""
@@ -105,6 +144,18 @@ class LlamaCpp:
             for seq in range(1, len(group) + 1):
                 lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return np.stack(out)
+
+
+def _has_field(struct, name: str) -> bool:
+    return any(field[0] == name for field in type(struct)._fields_)
+
+
+def _set_field(struct, name: str, value: bool) -> bool | None:
+    """Set a bool field where the struct has it; the value that took effect, None without it."""
+    if not _has_field(struct, name):
+        return None
+    setattr(struct, name, value)
+    return bool(getattr(struct, name))
 
 
 def timed(fn, *args) -> tuple[float, np.ndarray]:
@@ -155,6 +206,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention")
+    parser.add_argument(
+        "--no-extra-bufts", dest="extra_bufts", action="store_false",
+        help="turn off llama.cpp's extra buffer types (its AMX kernels: a GCC build crashes there)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     dtypes = args.dtype or ["float32", "mixed"]
@@ -162,12 +217,12 @@ def main() -> None:
     path = str(default_model_path())
     n_ctx = max(q + n * t for q, n, t in GEOMETRIES.values())
     n_seq = min(MAX_SEQ, max(n for _, n, _ in GEOMETRIES.values()) + 1)
-    llama = LlamaCpp(path, n_ctx, n_seq, args.threads, args.flash_attn)
+    llama = LlamaCpp(path, n_ctx, n_seq, args.threads, args.flash_attn, args.extra_bufts)
     print(f"- command: `python {' '.join(sys.argv)}`")
-    attn = "on" if args.flash_attn else "off"
-    print(f"- model: {os.path.basename(path)}; llama.cpp {args.threads} threads, flash attention "
-          f"{attn}; tpuscore backend {args.backend}; medians of {args.rounds} interleaved "
-          f"rounds, a fresh query each; {os.cpu_count()} cores\n")  # fmt: skip
+    print(f"- model: {os.path.basename(path)}; llama.cpp {args.threads} threads; tpuscore "
+          f"backend {args.backend}; medians of {args.rounds} interleaved rounds, a fresh query "
+          f"each; {os.cpu_count()} cores")  # fmt: skip
+    print(f"- llama.cpp: {llama.describe()}\n")
     print("| dtype | geometry | tpuscore items/s | llama.cpp items/s | ratio | max abs diff "
           "| spread (ours / theirs) | load avg |")  # fmt: skip
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
