@@ -191,7 +191,7 @@ def test_rerank_endpoints_chunk_and_honour_max_chunks_per_doc(scorer, rng):
         (w.index, w.best_chunk) for w in want
     ]
     assert all(r["chunk"]["end"] <= 12 for r in got)  # two chunks of 6 tokens at most
-    assert (bad.status_code, bad.json()["code"], bad.json()["param"]) == (
+    assert (bad.status_code, bad.headers["X-Error-Code"], bad.json()["error"]["param"]) == (
         400,
         "invalid_chunking",
         "chunking.stride",

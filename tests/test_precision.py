@@ -15,7 +15,7 @@ import pytest
 from helpers import random_tokens, seeded_rng
 from hf_reference import make_checkpoint
 from tpuscore import Scorer
-from tpuscore.backends import registry
+from tpuscore import backends
 from tpuscore.models import decoder
 from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
 
@@ -98,10 +98,10 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
 
 
 def test_every_backend_has_a_measured_bound():
-    assert set(MIXED_BOUND) == set(registry.available())
+    assert set(MIXED_BOUND) == set(backends.BUILT_IN)
 
 
-@pytest.mark.parametrize("backend", registry.available())
+@pytest.mark.parametrize("backend", backends.BUILT_IN)
 def test_mixed_scores_within_the_backends_measured_bound_of_float32(pair, backend, request):
     f32, mixed = pair
     case = request.node.callspec.params["pair"]

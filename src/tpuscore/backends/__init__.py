@@ -61,9 +61,12 @@ register(
 )
 # The oracle, never auto's pick; one sequence at a time, so invariant as it is.
 register("reference", ReferenceBackend, batch_invariant=True)
+# tpuscore's own backends, whatever a user (or a test) registers beside them later.
+BUILT_IN = tuple(available())
 
 __all__ = [
     "AUTO",
+    "BUILT_IN",
     "Backend",
     "BackendFactory",
     "BackendOutput",

@@ -215,8 +215,12 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
 
     _refuse_generation(body)
     scorer = service.scorer
+    prompts = body.prompt
+    if isinstance(prompts, str) or (isinstance(prompts, list) and all(map(_is_id, prompts))):
+        prompts = [prompts]
+    # The request's size as sent, before anything tokenizes it (RequestLimits).
+    validation.check_size(service.limits, items=("prompt", prompts), values={})
     ids, texts = _prompts(body.prompt, scorer.tokenizer)
-    service.check_count(ids, "prompt")
     work = asyncio.to_thread(scorer.prompt_logprobs, ids)
     scored = await guards.unless_disconnected(request.receive, work)
     strings = _Strings(scorer.tokenizer)
