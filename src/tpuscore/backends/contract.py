@@ -166,6 +166,24 @@ class ContinuationScores:
     is_greedy: bool
 
 
+# The most likely tokens a prompt log-probabilities plan reports at each position (vLLM's
+# default max_logprobs): a constant of its step, so the shape set holds one executable per shape.
+TOP_LOGPROBS = 20
+
+
+@attrs.frozen(eq=False)
+class PositionScores:
+    """One continuation's scores from a prompt log-probabilities plan, r tokens after a context:
+    each token's log-probability (float32 [r]), and at each of the r + 1 positions from the
+    context's last token on the TOP_LOGPROBS most likely tokens' log-probabilities (float32
+    [r + 1, TOP_LOGPROBS], best first) and ids (int64, the same shape): row j is what predicts
+    token j, row r the token after."""
+
+    token_logprobs: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
+
+
 @attrs.frozen(eq=False)
 class Plan:
     """What a backend will run for one call: the groups it scores (`batches`) and `steps` in the
@@ -249,6 +267,16 @@ class LoglikelihoodBackend(Backend, Protocol):
 
     def plan_loglikelihood(
         self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+    ) -> Plan: ...
+
+
+class PromptLogprobsBackend(Backend, Protocol):
+    """A backend with prompt log-probabilities plans (`Capabilities.loglikelihood` too): `run`
+    of such a plan returns, per (context, continuations) pair, one `PositionScores` per
+    continuation."""
+
+    def plan_prompt_logprobs(
+        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
     ) -> Plan: ...
 
 
