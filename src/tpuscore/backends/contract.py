@@ -104,7 +104,9 @@ def stack_labels(label_ids: Sequence[np.ndarray], rows: int) -> np.ndarray:
 class ShapeLimits:
     """The requests a scorer's shape set covers: queries of at most `query_tokens` tokens, items
     of at most `item_tokens`, at most `labels` label ids, any number of items and requests per
-    call. Items per step are the backends' own (their budgets and options)."""
+    call; loglikelihood contexts and continuations as queries and items, prompt log-probabilities
+    prompts of at most `query_tokens`. Items per step are the backends' own (their budgets and
+    options)."""
 
     query_tokens: int
     item_tokens: int

@@ -79,10 +79,13 @@ class PromptLogprobs:
         the context prefilled once (or reused from the prefix cache), then extended by the
         pair's steps, all dispatched before the first is read back."""
         model, results = self.model, []
+        steps_of: dict[int, list[tuple[np.ndarray, int]]] = {}
+        for e, rows, length in plan.steps:
+            steps_of.setdefault(e, []).append((rows, length))
         for e, (context, continuations) in enumerate(plan.extensions):
             prefix = self.query_prefix(context)
             pending = []
-            for _, rows, length in (step for step in plan.steps if step[0] == e):
+            for rows, length in steps_of.get(e, []):
                 tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
                 for r, i in enumerate(rows):
                     tokens[r, : len(continuations[i])] = continuations[i]
