@@ -125,6 +125,15 @@ def test_a_warmed_mesh_compiles_nothing_more(params, requests, rng):
         ]
         scorer.score_batch(requests + extra, backend=backends[call % 2])
     assert len(compiles) == len(shapes), "a request within the limits compiled on the mesh"
+    shared = rng.integers(1, CONFIG.vocab_size, 8).tolist()
+    for _ in range(4):  # prompt log-probabilities: prompts of at most query_tokens, some sharing
+        prompts = [
+            shared[: int(rng.integers(1, 9))]
+            + rng.integers(1, CONFIG.vocab_size, int(rng.integers(0, 9))).tolist()
+            for _ in range(int(rng.integers(1, 6)))
+        ]
+        scorer.prompt_logprobs(prompts)
+    assert len(compiles) == len(shapes), "prompt_logprobs within the limits compiled on the mesh"
 
 
 def test_weights_and_cached_kv_follow_the_model_axis(params, requests):
@@ -184,6 +193,17 @@ def test_loglikelihood_sharded_equals_unsharded(params, unsharded, rng):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=TOL, rtol=0)
         assert g.is_greedy == w.is_greedy
+
+
+def test_prompt_logprobs_sharded_equals_unsharded(params, unsharded, rng):
+    scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh_of(2, 4))
+    context = rng.integers(1, CONFIG.vocab_size, 20).tolist()
+    prompts = [context + rng.integers(1, CONFIG.vocab_size, n).tolist() for n in (0, 3, 6)]
+    got = scorer.prompt_logprobs(prompts)
+    want = unsharded.prompt_logprobs(prompts)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=TOL, rtol=0)
+        np.testing.assert_allclose(g.top_logprobs, w.top_logprobs, atol=TOL, rtol=0)
 
 
 def test_devices_builds_a_data_parallel_mesh(params, unsharded, requests):

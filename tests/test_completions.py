@@ -16,8 +16,8 @@ from helpers import ServerThread, random_tokens
 from hf_reference import BOS, EOS
 from tpuscore import Scorer
 from tpuscore.api import templates
+from tpuscore.backends import registry
 from tpuscore.serving import app as server
-from tpuscore.tasks import prompt_logprobs
 
 CASE = "llama_gqa_untied"
 # The shipped templates' labels are several tokens in the tests' tokenizer; the server needs one
@@ -89,7 +89,7 @@ def test_prompts_sharing_a_prefix_share_it_and_equal_each_alone(scorer, rng, mon
     context = random_tokens(rng, 10, vocab)
     prompts = [context + random_tokens(rng, n, vocab) for n in (1, 4, 2)] + [context[:6]]
     alone = [scorer.prompt_logprobs([p])[0] for p in prompts]
-    backend = scorer.engine.backends.get(prompt_logprobs.BACKEND)
+    backend = scorer.engine.backends.get(registry.loglikelihood_backend())
     prefixes = []
     query_prefix = backend.query_prefix
     monkeypatch.setattr(

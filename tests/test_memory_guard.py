@@ -154,3 +154,30 @@ def test_an_out_of_memory_loglikelihood_step_is_retried_smaller(scorers, rng, ca
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g.token_logprobs, e.token_logprobs, atol=ATOL, rtol=0)
         assert g.num_tokens == e.num_tokens
+
+
+def test_an_out_of_memory_prompt_logprobs_step_is_retried_smaller(scorers, rng, caplog):
+    """prompt_logprobs runs through the engine too: its plan is re-planned smaller and rerun."""
+    scorer = fresh(scorers("llama_gqa_untied"))
+    vocab = scorer.config.vocab_size
+    context = random_tokens(rng, 30, vocab)
+    prompts = [context + random_tokens(rng, int(n), vocab) for n in rng.integers(0, 9, size=12)]
+    expected = scorer.prompt_logprobs(prompts)
+    runner, calls = scorer.get_backend("prefill_extend"), []
+    step = runner.prompt_logprobs
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return step(*args, **kwargs)
+
+    runner.prompt_logprobs = failing
+    with caplog.at_level(logging.WARNING, logger="tpuscore.engine.memory_guard"):
+        got = scorer.prompt_logprobs(prompts)
+    assert len(calls) > 1 and runner.safety > 1
+    assert "ran out of device memory" in caplog.text
+    for g, e in zip(got, expected, strict=True):
+        assert g.tokens == e.tokens
+        np.testing.assert_allclose(g.token_logprobs, e.token_logprobs, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(g.top_logprobs, e.top_logprobs, atol=ATOL, rtol=0)

@@ -65,6 +65,16 @@ def random_request(rng, vocab: int, shared: list[int]) -> dict:
     return {"query": query, "items": items, "label_token_ids": labels.tolist()}
 
 
+def random_prompt(rng, vocab: int, shared: list[int]) -> list[int]:
+    """A prompt within LIMITS: a random one, or a start of the shared prefix with random tokens
+    after it (prompts of one call share prefixes of several lengths)."""
+    Q = LIMITS["query_tokens"]
+    if rng.integers(0, 2):
+        return random_tokens(rng, int(rng.integers(1, Q + 1)), vocab)
+    start = shared[: int(rng.integers(1, len(shared) + 1))]
+    return start + random_tokens(rng, int(rng.integers(0, Q - len(start) + 1)), vocab)
+
+
 @pytest.mark.slow
 def test_warmup_all_compiles_exactly_the_shape_set(warmed):
     scorer, shapes, compiled, records, _ = warmed
@@ -77,6 +87,7 @@ def test_warmup_all_compiles_exactly_the_shape_set(warmed):
         assert ("prefill_extend", step) in steps
     assert ("prefill_extend", "score_mixed_items") in steps
     assert ("prefill_extend", "continuation_logprobs") in steps  # loglikelihood's step
+    assert ("prefill_extend", "prompt_logprobs") in steps  # prompt_logprobs'
     assert len(shapes) < 60, collections.Counter((s.backend, s.step) for s in shapes)
     # Computable without compiling, and the same again.
     assert scorer.shapes(LIMITS, backends=BACKENDS) == shapes
@@ -107,6 +118,10 @@ def test_nothing_compiles_after_warmup_all(warmed):
         ]
         assert len(scorer.loglikelihood(context, continuations)) == len(continuations)
         assert len(compiles) == before, f"loglikelihood call {call} compiled"
+    for call in range(20):  # and prompt_logprobs' (prompts of at most query_tokens tokens)
+        prompts = [random_prompt(rng, vocab, shared) for _ in range(int(rng.integers(1, 9)))]
+        assert len(scorer.prompt_logprobs(prompts)) == len(prompts)
+        assert len(compiles) == before, f"prompt_logprobs call {call} compiled"
 
 
 def test_auto_covers_its_candidates(small_steps):

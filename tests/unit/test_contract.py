@@ -44,6 +44,7 @@ def test_the_shapes_a_backend_lists_are_steps_of_its_table():
                 "score_items",
                 "score_mixed_items",
                 "continuation_logprobs",
+                "prompt_logprobs",
             },
         ),
     ],

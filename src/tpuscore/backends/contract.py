@@ -104,7 +104,9 @@ def stack_labels(label_ids: Sequence[np.ndarray], rows: int) -> np.ndarray:
 class ShapeLimits:
     """The requests a scorer's shape set covers: queries of at most `query_tokens` tokens, items
     of at most `item_tokens`, at most `labels` label ids, any number of items and requests per
-    call. Items per step are the backends' own (their budgets and options)."""
+    call; loglikelihood contexts and continuations as queries and items, prompt log-probabilities
+    prompts of at most `query_tokens`. Items per step are the backends' own (their budgets and
+    options)."""
 
     query_tokens: int
     item_tokens: int
@@ -164,6 +166,24 @@ class ContinuationScores:
 
     token_logprobs: np.ndarray
     is_greedy: bool
+
+
+# The most likely tokens a prompt log-probabilities plan reports at each position (vLLM's
+# default max_logprobs): a constant of its step, so the shape set holds one executable per shape.
+TOP_LOGPROBS = 20
+
+
+@attrs.frozen(eq=False)
+class PositionScores:
+    """One continuation's scores from a prompt log-probabilities plan, r tokens after a context:
+    each token's log-probability (float32 [r]), and at each of the r + 1 positions from the
+    context's last token on the TOP_LOGPROBS most likely tokens' log-probabilities (float32
+    [r + 1, TOP_LOGPROBS], best first) and ids (int64, the same shape): row j is what predicts
+    token j, row r the token after."""
+
+    token_logprobs: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
 
 
 @attrs.frozen(eq=False)
@@ -249,6 +269,16 @@ class LoglikelihoodBackend(Backend, Protocol):
 
     def plan_loglikelihood(
         self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+    ) -> Plan: ...
+
+
+class PromptLogprobsBackend(Backend, Protocol):
+    """A backend with prompt log-probabilities plans (`Capabilities.loglikelihood` too): `run`
+    of such a plan returns, per (context, continuations) pair, one `PositionScores` per
+    continuation."""
+
+    def plan_prompt_logprobs(
+        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
     ) -> Plan: ...
 
 

@@ -20,7 +20,13 @@ from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import LoglikelihoodRequest, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
-from tpuscore.backends.contract import ContinuationScores, LoglikelihoodBackend, ShapeLimits
+from tpuscore.backends.contract import (
+    ContinuationScores,
+    LoglikelihoodBackend,
+    PositionScores,
+    PromptLogprobsBackend,
+    ShapeLimits,
+)
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import executables, memory_guard, planning, progress, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
@@ -179,6 +185,20 @@ class Engine:
         name = registry.loglikelihood_backend()
         backend: LoglikelihoodBackend = self.backends.get(name)
         plan = backend.plan_loglikelihood(request.context, request.continuations)
+        scores = memory_guard.run(name, backend, plan)
+        executables.guard().check()
+        return scores
+
+    def prompt_logprobs(
+        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
+    ) -> list[list[PositionScores]]:
+        """Per (context, continuations) pair, each continuation's token log-probabilities and
+        the most likely tokens at each of its positions and the one after it, each context run
+        once, on the backend with loglikelihood plans (its prompt log-probabilities plans),
+        under the memory guard."""
+        name = registry.loglikelihood_backend()
+        backend: PromptLogprobsBackend = self.backends.get(name)
+        plan = backend.plan_prompt_logprobs(extensions)
         scores = memory_guard.run(name, backend, plan)
         executables.guard().check()
         return scores

@@ -6,36 +6,28 @@ Prompts are grouped by their first token and each group's longest common prefix 
 computed once for all its prompts: prefilled once (or found in prefill_extend's prefix cache),
 every prompt's remainder extending it; the prefix's own positions 1..p-1 are read once, from
 its tokens extending its first. So the choices of one question, which share the question, share
-its computation. It runs on prefill_extend's prefill and extend steps, as
-`tasks.loglikelihood` does; a token's log-probability here equals `Scorer.loglikelihood`'s for
-the same tokens (tests/test_completions.py checks it against transformers through
-lm-evaluation-harness).
+its computation. This module validates, groups and assembles; the groups' (prefix, remainders)
+pairs run through the engine (`Engine.prompt_logprobs`) on prefill_extend's prompt
+log-probabilities plans, under the memory guard, with their step in the shape set. A token's
+log-probability here equals `Scorer.loglikelihood`'s for the same tokens
+(tests/test_completions.py checks it against transformers through lm-evaluation-harness).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.engine import executables
-from tpuscore.models import decoder
-from tpuscore.models.config import ModelConfig
-from tpuscore.models.decoder import Prefix
-from tpuscore.models.weights import Params
-from tpuscore.parallel.sharding import to_host
+from tpuscore.backends.contract import TOP_LOGPROBS, PositionScores
 
 if TYPE_CHECKING:
     from tpuscore.engine.runner import Engine
 
-BACKEND = "prefill_extend"
-TOP = 20  # the most alternatives a position reports (vLLM's default max_logprobs)
+TOP = TOP_LOGPROBS  # the most alternatives a position reports
 
 
 @attrs.frozen
@@ -55,27 +47,6 @@ class PromptLogprobs:
     token_logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-
-
-@functools.partial(jax.jit, static_argnames=("config", "top"))
-def _positions(
-    params: Params, prefix: Prefix, tokens: jax.Array, config: ModelConfig, top: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For rows tokens [B, L] (right-padded) continuing `prefix`: the log-probability of each
-    token [B, L], and the top log-probabilities and ids [B, L + 1, top] at each of the L + 1
-    positions from the prefix's last token on (position i predicts token i; the caller reads a
-    row's positions up to its length; causal attention keeps padding out of real tokens)."""
-    B, L = tokens.shape
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, config, prefix, tokens, causal)  # [B, L, D]
-    first = jnp.broadcast_to(prefix.last_hidden, (B, 1, hidden.shape[-1]))
-    before = jnp.concatenate([first, hidden], axis=1)  # [B, L + 1, D]
-    vocab = jnp.arange(config.vocab_size)
-    logprobs = decoder.label_logprobs(params, config, before.reshape(B * (L + 1), -1), vocab)
-    logprobs = logprobs.reshape(B, L + 1, -1)  # [B, L + 1, V]
-    picked = jnp.take_along_axis(logprobs[:, :L], tokens[..., None], axis=-1)[..., 0]
-    values, ids = jax.lax.top_k(logprobs, top)
-    return picked, values, ids
 
 
 def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[int]]:
@@ -112,17 +83,27 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
 
 
 def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
-    """`Scorer.prompt_logprobs`: validate, group by first token, run each group."""
+    """`Scorer.prompt_logprobs`: validate, group by first token, run every group's common prefix
+    and remainders in one engine call (module doc), assemble each prompt's result."""
     prompts = validate(engine, prompts)
-    backend = engine.backends.get(BACKEND)
     groups: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt[0], []).append(i)
-    results: list[PromptLogprobs | None] = [None] * len(prompts)
+    extensions, members_of = [], []
     for members in groups.values():
-        for i, result in zip(members, _group(backend, [prompts[i] for i in members]), strict=True):
-            results[i] = result
-    executables.guard().check()
+        group = [prompts[i] for i in members]
+        p = _common_prefix(group)
+        shared = group[0][:p]
+        if p > 1:  # positions 1..p-1, inside the prefix: its tokens extending its first, once
+            extensions.append((shared[:1], [shared[1:]]))
+        extensions.append((shared, [prompt[p:] for prompt in group]))
+        members_of.append((members, p))
+    scored = iter(engine.prompt_logprobs(extensions))
+    results: list[PromptLogprobs | None] = [None] * len(prompts)
+    for members, p in members_of:
+        inside = next(scored)[0] if p > 1 else None
+        for i, rows in zip(members, next(scored), strict=True):
+            results[i] = _assemble(prompts[i], p, inside, rows)
     return results
 
 
@@ -135,53 +116,20 @@ def _common_prefix(prompts: list[list[int]]) -> int:
     return length
 
 
-def _group(backend, prompts: list[list[int]]) -> list[PromptLogprobs]:
-    """Prompts sharing a first token: their common prefix once, then each remainder."""
-    p = _common_prefix(prompts)
-    shared = prompts[0][:p]
-    # Positions 1..p-1, inside the prefix: its tokens extending its first token, once.
-    inside = _extend(backend, shared[:1], [shared[1:]]) if p > 1 else None
-    rows = _extend(backend, shared, [prompt[p:] for prompt in prompts])
-    results = []
-    for prompt, (picked, values, ids) in zip(prompts, rows, strict=True):
-        n = len(prompt)
-        token_logprobs = np.full(n, np.nan, np.float32)
-        if inside is not None:
-            in_picked, in_values, in_ids = inside[0]
-            token_logprobs[1:p] = in_picked[: p - 1]
-            values = np.concatenate([in_values[: p - 1], values[: n - p + 1]])
-            ids = np.concatenate([in_ids[: p - 1], ids[: n - p + 1]])
-        else:
-            values, ids = values[: n - p + 1], ids[: n - p + 1]
-        token_logprobs[p:] = picked[: n - p]
-        for array in (token_logprobs, values, ids):
-            array.setflags(write=False)
-        results.append(PromptLogprobs(prompt, token_logprobs, ids, values))
-    return results
-
-
-def _extend(backend, prefix_tokens: list[int], remainders: list[list[int]]):
-    """(picked [r], top values [r + 1, TOP], top ids [r + 1, TOP]) per remainder of length r
-    continuing prefix_tokens; an empty remainder runs as one padding token, read at 0 only."""
-    model = backend.model
-    prefix = backend.query_prefix(np.asarray(prefix_tokens, np.int32))
-    lens = np.array([max(len(r), 1) for r in remainders], np.int64)
-    pending = []
-    for rows, length in backend.continuation_batches(lens):
-        tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
-        for r, i in enumerate(rows):
-            tokens[r, : len(remainders[i])] = remainders[i]
-        tokens = model.layout.put_rows(tokens)
-        out = _positions(model.params, prefix, tokens, model.config, TOP)
-        pending.append((rows, out))
-    results: list[Any] = [None] * len(remainders)
-    for rows, out in pending:  # read back after every batch is dispatched
-        picked, values, ids = (to_host(x) for x in out)
-        for r, i in enumerate(rows):
-            n = len(remainders[i])
-            results[i] = (
-                picked[r, :n].astype(np.float32),
-                values[r, : n + 1].astype(np.float32),
-                ids[r, : n + 1].astype(np.int64),
-            )
-    return results
+def _assemble(
+    prompt: list[int], p: int, inside: PositionScores | None, rest: PositionScores
+) -> PromptLogprobs:
+    """One prompt's result from its group's prefix read inside (positions 1..p-1; None when
+    p = 1) and its remainder's positions after the prefix."""
+    n = len(prompt)
+    token_logprobs = np.full(n, np.nan, np.float32)
+    if inside is not None:
+        token_logprobs[1:p] = inside.token_logprobs[: p - 1]
+        values = np.concatenate([inside.top_logprobs[: p - 1], rest.top_logprobs[: n - p + 1]])
+        ids = np.concatenate([inside.top_ids[: p - 1], rest.top_ids[: n - p + 1]])
+    else:
+        values, ids = rest.top_logprobs[: n - p + 1], rest.top_ids[: n - p + 1]
+    token_logprobs[p:] = rest.token_logprobs[: n - p]
+    for array in (token_logprobs, values, ids):
+        array.setflags(write=False)
+    return PromptLogprobs(prompt, token_logprobs, ids, values)

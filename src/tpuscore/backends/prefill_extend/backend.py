@@ -35,6 +35,7 @@ from tpuscore.backends.contract import (
     ContinuationScores,
     GroupsOutputBuilder,
     Plan,
+    PositionScores,
     stack_labels,
 )
 from tpuscore.backends.prefill_extend import memory, steps
@@ -45,6 +46,7 @@ from tpuscore.backends.prefill_extend.plan import (
     Wave,
 )
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
+from tpuscore.backends.prefill_extend.prompt_logprobs import PromptLogprobs, PromptLogprobsPlan
 from tpuscore.backends.prefill_extend.shapes import StepShapes
 from tpuscore.backends.prefill_extend.steps import (
     PREFILL,
@@ -98,10 +100,11 @@ class PrefillExtendOptions:
                 check_int(name, getattr(self, name), minimum=minimum)
 
 
-class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgeted):
+class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, Scoring, Budgeted):
     """prefill_extend (module doc): planning in `Planning` (plan.py), the step table and shape
     set in `StepShapes` (shapes.py), loglikelihood plans in `Loglikelihood`
-    (loglikelihood.py), running and pricing here."""
+    (loglikelihood.py), prompt log-probabilities plans in `PromptLogprobs`
+    (prompt_logprobs.py), running and pricing here."""
 
     # The jitted steps, reached through the instance: a seam for tests.
     prefill = staticmethod(steps.prefill)
@@ -109,6 +112,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
     score_items = staticmethod(steps.score_items)
     score_mixed_items = staticmethod(steps.score_mixed_items)
     continuation_logprobs = staticmethod(steps.continuation_logprobs)
+    prompt_logprobs = staticmethod(steps.prompt_logprobs)
 
     def __init__(self, model: Model, options: PrefillExtendOptions):
         self.model = model
@@ -132,16 +136,24 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, Scoring, Budgete
     def price(self, plan: Plan) -> list[work.StepWork]:
         if isinstance(plan, LoglikelihoodPlan):
             return self.price_loglikelihood(plan)
+        if isinstance(plan, PromptLogprobsPlan):
+            return self.price_prompt_logprobs(plan)
         return self.price_scores(plan)
 
-    def run(self, plan: Plan) -> list[BackendOutput] | list[ContinuationScores]:
+    def run(
+        self, plan: Plan
+    ) -> list[BackendOutput] | list[ContinuationScores] | list[list[PositionScores]]:
         if isinstance(plan, LoglikelihoodPlan):
             return self.run_loglikelihood(plan)
+        if isinstance(plan, PromptLogprobsPlan):
+            return self.run_prompt_logprobs(plan)
         return self.run_scores(plan)
 
     def replan(self, plan: Plan) -> Plan:
         if isinstance(plan, LoglikelihoodPlan):
             return self.plan_loglikelihood(plan.context, plan.continuations)
+        if isinstance(plan, PromptLogprobsPlan):
+            return self.plan_prompt_logprobs(plan.extensions)
         return self.plan(plan.batches)
 
     def price_scores(self, plan: Plan) -> list[work.StepWork]:

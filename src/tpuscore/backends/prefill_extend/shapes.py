@@ -18,6 +18,7 @@ from tpuscore.backends.prefill_extend.steps import (
     CONTINUATION_LOGPROBS,
     PREFILL,
     PREFILL_ROWS,
+    PROMPT_LOGPROBS,
     RESIZE,
     SCORE_ITEMS,
     SCORE_MIXED_ITEMS,
@@ -48,6 +49,7 @@ class StepShapes:
             Step(SCORE_ITEMS, self.score_items, self._score_items_zeros),
             Step(SCORE_MIXED_ITEMS, self.score_mixed_items, self._score_mixed_items_zeros),
             Step(CONTINUATION_LOGPROBS, self.continuation_logprobs, self._continuation_zeros),
+            Step(PROMPT_LOGPROBS, self.prompt_logprobs, self._prompt_zeros),
         )
 
     def shapes(self, limits: ShapeLimits) -> set[StepShape]:
@@ -62,7 +64,8 @@ class StepShapes:
         a mixed step's size. score_items (rows, L, P, C) and score_mixed_items
         (rows, L, mixed_queries(rows, P), P, C) with its stack: rows a power
         of two within the step's budget, L an item bucket, P a query's size, C a label bucket.
-        continuation_logprobs: the loglikelihood plans' step (`continuation_shapes`).
+        continuation_logprobs: the loglikelihood plans' step (`continuation_shapes`);
+        prompt_logprobs: the prompt log-probabilities plans' (`prompt_shapes`).
         """
         Q, chunk, layout = limits.query_tokens, self.prefill_chunk, self.model.layout
         invariant = self.batch_invariant
@@ -98,7 +101,7 @@ class StepShapes:
                     count = self.mixed_queries(rows, size)
                     out.add(StepShape(SCORE_MIXED_ITEMS, (rows, item_len, count, size, width)))
                     out.add(StepShape(STACK, (count, size)))
-        return out | self.continuation_shapes(limits, sizes)
+        return out | self.continuation_shapes(limits, sizes) | self.prompt_shapes(limits, sizes)
 
     def stack(self, prefixes: Sequence[Prefix], count: int) -> Prefix:
         """`count` prefixes of one size stacked (`stack`), placed as the steps take them."""

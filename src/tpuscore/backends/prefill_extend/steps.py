@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuscore.backends.buckets import bucket_count
+from tpuscore.backends.contract import TOP_LOGPROBS
 from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
@@ -31,6 +32,7 @@ PREFILL, PREFILL_ROWS, STACK, UNSTACK, RESIZE = (
 )
 SCORE_ITEMS, SCORE_MIXED_ITEMS = "score_items", "score_mixed_items"
 CONTINUATION_LOGPROBS = "continuation_logprobs"  # the loglikelihood plans' extend step
+PROMPT_LOGPROBS = "prompt_logprobs"  # the prompt log-probabilities plans' extend step
 
 # A step meets its query's K/V in key blocks and skips those past the query's length (`key_blocks`).
 MAX_KEY_BLOCKS = 8
@@ -241,3 +243,25 @@ def continuation_logprobs(
     logprobs = logprobs.reshape(B, L, -1)  # [B, L, V]
     picked = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
     return picked, jnp.argmax(logprobs, axis=-1) == tokens
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def prompt_logprobs(
+    params: Params, prefix: Prefix, tokens: jax.Array, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For rows tokens [B, L] (right-padded continuations of `prefix`): the log-probability of
+    each token [B, L], and the TOP_LOGPROBS most likely tokens' log-probabilities and ids
+    [B, L + 1, TOP_LOGPROBS] at each of the L + 1 positions from the prefix's last token on
+    (position i predicts token i; the caller reads a row's positions up to its length; causal
+    attention keeps padding out of real tokens)."""
+    B, L = tokens.shape
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
+    hidden, _ = decoder.extend(params, config, prefix, tokens, causal)  # [B, L, D]
+    first = jnp.broadcast_to(prefix.last_hidden, (B, 1, hidden.shape[-1]))
+    before = jnp.concatenate([first, hidden], axis=1)  # [B, L + 1, D]
+    vocab = jnp.arange(config.vocab_size)
+    logprobs = decoder.label_logprobs(params, config, before.reshape(B * (L + 1), -1), vocab)
+    logprobs = logprobs.reshape(B, L + 1, -1)  # [B, L + 1, V]
+    picked = jnp.take_along_axis(logprobs[:, :L], tokens[..., None], axis=-1)[..., 0]
+    values, ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    return picked, values, ids
