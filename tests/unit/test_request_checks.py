@@ -15,7 +15,7 @@ from tpuscore.api import templates, validation
 from tpuscore.api.calibration import Calibration
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError, check_int
-from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
+from tpuscore.api.requests import SCORE_ARGUMENTS, RequestLimits, ScoreOptions
 
 WORDS = ["<pad>", "<s>", "[UNK]", "the", "cat", "sat", "on", "mat", "yes", "no", "dog", "a", "b"]
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -163,6 +163,15 @@ def test_a_bad_request_mapping_is_located(code, param, request_, where):
         assert str(raised.value).startswith(where)
 
 
+TINY = RequestLimits(
+    max_items=2, max_labels=2, max_scores=3, max_length=8, max_total_length=12, max_queries=1
+)
+
+
+def sized(items: list[str], num_labels: int = 0) -> None:
+    validation.check_size(TINY, items=("items", items), values={}, num_labels=num_labels)
+
+
 OTHER_BAD = [
     ("invalid_backend_option", lambda: check_int("max_rows", 0, minimum=1)),
     ("invalid_backend_option", lambda: check_int("max_rows", True, minimum=0)),
@@ -174,6 +183,11 @@ OTHER_BAD = [
     ("invalid_chunking", lambda: Chunking(window=4, aggregate="median")),
     ("invalid_chunking", lambda: Chunking.of(["window", 4])),
     ("invalid_calibration", lambda: Calibration.load("/nonexistent/calibration.json")),
+    ("too_many_items", lambda: validation.check_size(TINY, items=("items", ["a"] * 3), values={})),
+    ("too_many_labels", lambda: sized(["a"], num_labels=3)),
+    ("too_many_scores", lambda: sized(["a", "b"], num_labels=2)),
+    ("input_too_long", lambda: sized(["abcdefghi"])),
+    ("request_too_large", lambda: sized(["abcdefgh", "abcdefgh"])),
 ]
 
 
