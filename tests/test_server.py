@@ -602,29 +602,20 @@ def test_allowed_hosts_refuse_a_foreign_host_header(scorer):
             running.stop()
 
 
-class GatedEngine:
-    """An engine whose prepare (validation and tokenization) waits for `gate`."""
-
-    def __init__(self, engine):
-        self.engine, self.entered, self.gate = engine, threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def prepare(self, *args, **kwargs):
-        self.entered.set()
-        assert self.gate.wait(60)
-        return self.engine.prepare(*args, **kwargs)
-
-
 class PreparedBehindAGate:
-    """The scorer, its requests' preparation held by a GatedEngine."""
+    """The scorer, its requests' preparation (validation and tokenization, the Batcher's
+    `prepare_request`) waiting for `gate`."""
 
     def __init__(self, scorer):
-        self.scorer, self.engine = scorer, GatedEngine(scorer.engine)
+        self.scorer, self.entered, self.gate = scorer, threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.scorer, name)
+
+    def prepare_request(self, *args, **kwargs):
+        self.entered.set()
+        assert self.gate.wait(60)
+        return self.scorer.prepare_request(*args, **kwargs)
 
 
 def test_the_event_loop_serves_while_a_request_is_tokenized(scorer):
@@ -641,15 +632,15 @@ def test_the_event_loop_serves_while_a_request_is_tokenized(scorer):
             ThreadPoolExecutor(1) as pool,
         ):
             held = pool.submit(c.post, "/v1/score", json=body)
-            assert gated.engine.entered.wait(60)
+            assert gated.entered.wait(60)
             assert c.get("/health").status_code == 200
             bad = c.post("/v1/score", content=b"{", headers={"content-type": "application/json"})
             assert error_of(bad)[0] == "invalid_json"
             assert not held.done()
-            gated.engine.gate.set()
+            gated.gate.set()
             assert_scores(held.result(60), scorer.score(**body))
     finally:
-        gated.engine.gate.set()
+        gated.gate.set()
         running.stop()
 
 
