@@ -220,12 +220,14 @@ class Gateway:
 
     @gateway_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(self, request: Request, path: str) -> Response:
-        from tpuscore.serving.app import error_response
+        from tpuscore.serving import dialects
 
+        # Errors in the dialect of the path the replica's app serves (after the route prefix).
+        scope = {"path": f"/{path}"}
         body = await request.body()
         if len(body) > self.max_body_bytes:
             message = f"the body is larger than {self.max_body_bytes} bytes"
-            return error_response(413, "body_too_large", message)
+            return dialects.error_response(scope, 413, "body_too_large", message)
         key = affinity_key(body) if request.method == "POST" else None
         # `path` is the part after the app's route prefix: the replica's app serves it at its root.
         target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")
@@ -234,7 +236,8 @@ class Gateway:
             lambda: self.replicas.remote(request.method, target, headers, body, affinity_key=key)
         )
         if answer is None:
-            return error_response(
+            return dialects.error_response(
+                scope,
                 503,
                 "replica_unavailable",
                 "no replica could answer; retry later",
