@@ -249,5 +249,4 @@ def test_ten_thousand_entries_answer_as_a_scan_and_visit_as_few_nodes_as_a_hundr
     assert CountedEntries.walks == 0
     small_visits = _visits(small, _queries(rng, sequences[:100], vocab, 500))
     assert big_visits.max() <= _depth(big._tree.root) < 20
-    assert all(v <= len(q) + 1 for v, q in zip(big_visits, queries, strict=True))
     assert big_visits.mean() < 2 * small_visits.mean(), (big_visits.mean(), small_visits.mean())
