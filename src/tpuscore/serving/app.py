@@ -243,7 +243,7 @@ class Service:
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.max_items = max_body_bytes, max_items
-        self.metrics = Metrics()
+        self.metrics = Metrics(executables_guard=scorer.engine.executables)
         self.created = int(time.time())
 
     async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:

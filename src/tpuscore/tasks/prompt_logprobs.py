@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.engine import executables
 from tpuscore.models import decoder
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
@@ -122,7 +121,7 @@ def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[Pr
     for members in groups.values():
         for i, result in zip(members, _group(backend, [prompts[i] for i in members]), strict=True):
             results[i] = result
-    executables.guard().check()
+    engine.executables.check()
     return results
 
 
