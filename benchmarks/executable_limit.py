@@ -48,13 +48,13 @@ def child(guarded: bool, executables_wanted: int, seed: int) -> None:
         is_leaf=lambda x: isinstance(x, tuple),
     )
     scorer = Scorer(config, params, None, dtype="float32")
-    guard = executables.guard()
+    guard = scorer.engine.executables
     if not guarded:
         guard.check = lambda: False  # as before the guard
     first = None
     start = time.perf_counter()
     requests = 0
-    while guard.compiles < executables_wanted:
+    while executables.compiles() < executables_wanted:
         query = rng.integers(1, 256, int(rng.integers(1, 4000))).tolist()
         items = [
             rng.integers(1, 256, int(rng.integers(1, 300))).tolist()
@@ -66,7 +66,7 @@ def child(guarded: bool, executables_wanted: int, seed: int) -> None:
         requests += 1
         if requests % 10 == 0:
             print(
-                f"  {requests} requests, {guard.compiles} executables built, "
+                f"  {requests} requests, {executables.compiles()} executables built, "
                 f"{executables.map_count()} maps, dropped {guard.dropped}x, "
                 f"{time.perf_counter() - start:.0f} s",
                 flush=True,
@@ -75,7 +75,7 @@ def child(guarded: bool, executables_wanted: int, seed: int) -> None:
     scorer.get_backend("prefill_extend").cache.clear()
     again = scorer.score(query, items, [1, 2], backend="prefill_extend").logprobs
     print(
-        f"  survived: {requests} requests, {guard.compiles} executables built, "
+        f"  survived: {requests} requests, {executables.compiles()} executables built, "
         f"{executables.map_count()} maps at the end, dropped {guard.dropped}x; first request "
         f"bit-identical after: {bool((again == logprobs).all())}",
         flush=True,

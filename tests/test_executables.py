@@ -2,7 +2,7 @@
 
 XLA:CPU maps about a hundred regions per step executable and Linux allows 65,530 maps by
 default: without the guard a process crashes (SIGSEGV) after some 550 distinct step shapes. Here
-the limit is lowered by patching `map_limit` to just above the maps in use, so a few compiles
+each scorer is given a guard whose limit sits just above the maps in use, so a few compiles
 cross it (`benchmarks/executable_limit.py` runs the real crash and the guard against it).
 """
 
@@ -19,29 +19,33 @@ from tpuscore.engine import executables
 CASE = "llama_gqa_untied"
 
 
-def limit_with_room(monkeypatch, maps: int) -> None:
-    """Make the high-water mark `maps` above the maps in use now."""
+def limit_with_room(maps: int, **kwargs) -> executables.Guard:
+    """A guard whose high-water mark is `maps` above the maps in use now."""
     high_water = executables.map_count() + maps
-    monkeypatch.setattr(executables, "map_limit", lambda: int(high_water / executables.HIGH_WATER))
+    limit = int(high_water / executables.HIGH_WATER)
+    return executables.Guard(map_limit=lambda: limit, **kwargs)
 
 
-def test_past_the_high_water_mark_the_executables_are_dropped_and_scores_stay(
-    scorers, rng, monkeypatch, caplog
-):
-    """A call that compiles past the mark drops every executable (the maps fall back), says so,
-    and the same request then compiles again and scores the same bits."""
-    scorer = scorers(CASE)
-    vocab = scorer.config.vocab_size
+def guarded(base: Scorer, guard: executables.Guard, **kwargs) -> Scorer:
+    """A scorer on `base`'s model with its own backends and the given guard."""
+    return Scorer(base.config, base.params, base.tokenizer, executables_guard=guard, **kwargs)
+
+
+def test_past_the_high_water_mark_the_executables_are_dropped_and_scores_stay(scorers, rng, caplog):
+    """A call that compiles past the mark drops the scorer's executables, says so, and the same
+    request then compiles again and scores the same bits."""
+    vocab = scorers(CASE).config.vocab_size
     query = random_tokens(rng, 40, vocab)
     items = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 12, 5)]
-    guard = executables.guard()
-    compiles = compile_events()  # clears JAX's caches: the call below builds its executables
-    limit_with_room(monkeypatch, 50)  # under one step executable's maps (about a hundred)
+    compiles = compile_events()
+    # Under one step executable's maps (about a hundred).
+    guard = limit_with_room(50)
+    scorer = guarded(scorers(CASE), guard)
     dropped = guard.dropped
     with caplog.at_level(logging.WARNING, logger=executables.__name__):
         first = scorer.score(query, items, [1, 2], backend="prefill_extend")
-    assert compiles and guard.dropped == dropped + 1
-    assert "dropped every compiled executable" in caplog.text
+    assert compiles and guard.dropped == dropped + 1 and guard.held == 0
+    assert "dropped this scorer's compiled executables" in caplog.text
     # The same shapes again: kept, they would compile nothing. (The count is process-wide, so
     # another test's leftover thread may add to it: only growth is asserted.)
     built = len(compiles)
@@ -51,61 +55,59 @@ def test_past_the_high_water_mark_the_executables_are_dropped_and_scores_stay(
     np.testing.assert_array_equal(again.logprobs, first.logprobs)
     assert guard.dropped == dropped + 2  # and past the mark again
 
-    monkeypatch.undo()  # the real limit, far off: built again, nothing dropped
+    guard.map_limit = executables.map_limit  # the real limit, far off: built again, nothing dropped
     built = len(compiles)
     scorer.get_backend("prefill_extend").cache.clear()
     scorer.score(query, items, [1, 2], backend="prefill_extend")
-    assert len(compiles) > built and guard.dropped == dropped + 2
+    assert len(compiles) > built and guard.dropped == dropped + 2 and guard.held > 0
 
 
-def test_nothing_compiled_nothing_checked(scorers, rng, monkeypatch):
+def test_nothing_compiled_nothing_checked(scorers, rng):
     """Calls that compile nothing never read the maps, even past the mark."""
-    scorer = scorers(CASE)
+    reads, past = [], [False]
+    guard = executables.Guard(map_count=lambda: reads.append(1) or (10**9 if past[0] else 0))
+    scorer = guarded(scorers(CASE), guard)
     query, items = random_tokens(rng, 20, scorer.config.vocab_size), [[5, 6], [7]]
     scorer.score(query, items, [1], backend="prefill_extend")  # compiled, checked
-    reads = []
-    monkeypatch.setattr(executables, "map_count", lambda: reads.append(1) or 10**9)
-    assert not executables.guard().check()
+    assert reads and guard.dropped == 0
+    reads.clear()
+    past[0] = True
     scorer.score(query, items, [1], backend="prefill_extend")
-    assert reads == []
+    assert reads == [] and guard.dropped == 0
 
 
-def test_without_proc_the_guard_does_nothing(monkeypatch):
-    monkeypatch.setattr(executables, "MAPS", "/nonexistent/maps")
-    monkeypatch.setattr(executables, "MAX_MAP_COUNT", "/nonexistent/max_map_count")
-    assert executables.map_count() is None and executables.map_limit() is None
-    guard = executables.guard()
-    guard.compiles += 1  # as if a compile happened
+def test_without_proc_the_guard_does_nothing():
+    assert executables.map_count("/nonexistent/maps") is None
+    assert executables.map_limit("/nonexistent/max_map_count") is None
+    guard = executables.Guard(map_count=lambda: None, map_limit=lambda: None)
+    guard.checked_at -= 1  # as if a compile happened
     assert not guard.check()
     guard.check_warmup(total=10**6, done=8, maps_before=None)  # no refusal without figures
 
 
-def test_warmup_refuses_a_shape_set_that_cannot_stay(scorers, monkeypatch):
+def test_warmup_refuses_a_shape_set_that_cannot_stay(scorers):
     """Room for about ten executables, a set of dozens: refused after the first
-    `WARMUP_PROBE` shapes (2 here: each compile costs a second), naming the limit, rather than
+    `warmup_probe` shapes (2 here: each compile costs a second), naming the limit, rather than
     compiling on towards a crash."""
-    monkeypatch.setattr(executables, "WARMUP_PROBE", 2)
-    base = scorers(CASE)
     options = {"prefill_extend": {"batch_items": 4, "prefill_chunk": 16}}
-    scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+    compiles = compile_events()
+    guard = limit_with_room(1000, warmup_probe=2)
+    scorer = guarded(scorers(CASE), guard, backend_options=options)
     limits = {"query_tokens": 64, "item_tokens": 8, "labels": 2}
     total = len(scorer.shapes(limits, backends=["prefill_extend"]))
-    assert total > 3 * executables.WARMUP_PROBE
-    compiles = compile_events()
-    limit_with_room(monkeypatch, 1000)
+    assert total > 3 * guard.warmup_probe
     with pytest.raises(ValidationError, match="vm.max_map_count") as refused:
         scorer.warmup(all=True, limits=limits, backends=["prefill_extend"])
     assert refused.value.code == "shape_set_too_large" and refused.value.param == "limits"
     assert f"{total} executables" in str(refused.value)
-    assert len(compiles) == executables.WARMUP_PROBE
+    assert len(compiles) == guard.warmup_probe
 
 
-def test_drops_while_other_threads_score_lose_nothing(scorers, rng, monkeypatch):
+def test_drops_while_other_threads_score_lose_nothing(scorers, rng):
     """Four threads scoring new shapes on three backends at once, the mark low enough that
     nearly every call drops the executables under the others: every call completes and equals
     the reference backend."""
-    scorer = scorers(CASE)
-    vocab = scorer.config.vocab_size
+    vocab = scorers(CASE).config.vocab_size
     requests = [
         (
             random_tokens(rng, int(rng.integers(1, 120)), vocab),
@@ -114,9 +116,9 @@ def test_drops_while_other_threads_score_lose_nothing(scorers, rng, monkeypatch)
         )
         for i in range(8)
     ]
-    compile_events()  # clears JAX's caches: no shape here is kept from an earlier test
-    limit_with_room(monkeypatch, 60)
-    dropped = executables.guard().dropped
+    guard = limit_with_room(60)
+    scorer = guarded(scorers(CASE), guard)  # its own executables: none kept from another test
+    dropped = guard.dropped
     results, errors = {}, []
 
     def work(first: int) -> None:
@@ -133,7 +135,44 @@ def test_drops_while_other_threads_score_lose_nothing(scorers, rng, monkeypatch)
     for thread in threads:
         thread.join(timeout=300)
     assert not errors and len(results) == len(requests)
-    assert executables.guard().dropped >= dropped + 2
+    assert guard.dropped >= dropped + 2
     for i, (query, items, _) in enumerate(requests):
         expected = scorer.score(query, items, [1, 2], backend="reference").logprobs
         np.testing.assert_allclose(results[i], expected, atol=1e-4, rtol=0)
+
+
+def test_one_scorers_limit_never_drops_another_scorers_executables(scorers, rng):
+    """Scorer A past its mark drops its own executables; scorer B on the same model, warm,
+    keeps every one of its: B's next call compiles nothing. (Before guards were per scorer,
+    A's drop was `jax.clear_caches()`, and B compiled its steps again.)"""
+    base = scorers(CASE)
+    vocab = base.config.vocab_size
+    query = random_tokens(rng, 40, vocab)
+    items = [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 12, 5)]
+    b = guarded(base, executables.Guard(map_limit=lambda: 10**12))  # never past its mark
+    first = b.score(query, items, [1, 2], backend="prefill_extend")
+    held = b.engine.executables.held
+    assert held > 0
+    a = guarded(base, limit_with_room(50))
+    compiles = compile_events_kept()
+    a.score(query, items, [1, 2], backend="prefill_extend")
+    assert compiles and a.engine.executables.dropped == 1 and a.engine.executables.held == 0
+    assert b.engine.executables.held == held and b.engine.executables.dropped == 0
+    built = len(compiles)
+    b.get_backend("prefill_extend").cache.clear()  # the same steps as the first call
+    again = b.score(query, items, [1, 2], backend="prefill_extend")
+    assert len(compiles) == built
+    np.testing.assert_array_equal(again.logprobs, first.logprobs)
+
+
+def compile_events_kept() -> list[str]:
+    """A list that grows by one entry per compile, JAX's caches left as they are."""
+    from jax import monitoring
+
+    events: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: (
+            events.append(event) if event == executables.COMPILE_EVENT else None
+        )
+    )
+    return events

@@ -14,8 +14,7 @@ import pytest
 
 from helpers import random_tokens, seeded_rng
 from hf_reference import make_checkpoint
-from tpuscore import Scorer
-from tpuscore import backends
+from tpuscore import Scorer, backends
 from tpuscore.models import decoder
 from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
 

@@ -18,7 +18,7 @@ from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import compilation_cache, planning, progress, selection
+from tpuscore.engine import compilation_cache, executables, planning, progress, selection
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
@@ -50,15 +50,20 @@ class Scorer:
         backend_options: BackendOptions | None = None, selector: planning.Selector | None = None,
         profile: Profile | None = None, mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None, batch_invariant: bool = False,
+        executables_guard: executables.Guard | None = None,
     ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
-        other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`)."""
+        other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`).
+        executables_guard: keeps this scorer's compiled executables within the process's memory
+        maps (`engine.executables.Guard`; default one of its own, so one scorer's limit never
+        drops another's executables; scorers given one guard share their executables)."""
         model = Model.build(config, params, dtype, sharding.make_layout(config, mesh, devices))
         if profile is not None and not isinstance(profile, DeviceProfile):
             profile = DeviceProfile.load(profile)
         self.engine = Engine(
             model, tokenizer, backend=backend, backend_options=backend_options,
             selector=selector, profile=profile, batch_invariant=batch_invariant,
+            executables_guard=executables_guard,
         )  # fmt: skip
         self.score_calibration = None  # a `Calibration`: see from_pretrained
 
@@ -79,6 +84,7 @@ class Scorer:
         devices: Sequence[jax.Device] | None = None,
         batch_invariant: bool = False,
         score_calibration: str | os.PathLike | None = None,
+        executables_guard: executables.Guard | None = None,
     ) -> Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
@@ -91,7 +97,7 @@ class Scorer:
         scorer = cls(
             config, params, tokenizer, dtype=dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, executables_guard=executables_guard,
         )  # fmt: skip
         if score_calibration is not None:  # docs/calibration.md
             scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)

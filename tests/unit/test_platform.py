@@ -2,9 +2,16 @@
 
 import numpy as np
 
+from tpuscore.backends.packed.backend import (
+    PackedDenseBackend,
+    PackedOptions,
+    PackedSegmentBackend,
+    PackedSegmentOptions,
+)
 from tpuscore.backends.prefill_extend.steps import key_blocks, keys_read
 from tpuscore.engine import shapes
 from tpuscore.engine.planning import FixedRule
+from tpuscore.models.decoder import score_block_tokens
 from tpuscore.models.model import Model
 from tpuscore.parallel.sharding import ONE_DEVICE
 
@@ -27,3 +34,24 @@ def test_auto_shapes_take_the_platform_given():
     on_cpu = shapes.backends_for("auto", object(), "cpu")
     assert "packed_segment" in on_tpu and "packed_segment" not in on_cpu
     assert shapes.backends_for("auto", FixedRule(), "tpu") == ["prefill_extend", "serial"]
+
+
+def test_score_blocks_follow_the_platform_given_not_the_process():
+    """decoder.extend's shared-prefix score blocks: an L2-sized block on CPU, a large one on an
+    accelerator, whichever platform this process runs on."""
+    per_token = 4 * 8 * 512  # float32 scores of 8 heads against 512 keys
+    on_cpu = score_block_tokens(4096, per_token, platform="cpu")
+    on_tpu = score_block_tokens(4096, per_token, platform="tpu")
+    assert on_cpu < on_tpu == 4096
+
+
+def test_the_segment_kernel_interprets_off_its_tiles_platform():
+    """packed_segment passes `interpret` from the model's platform to its jitted step, so the
+    step's static arguments (and executables) do not depend on the process's default backend."""
+
+    def on(platform, kind=PackedSegmentBackend, options=PackedSegmentOptions):
+        model = Model(None, params=None, dtype=np.dtype(np.float32), platform=platform)
+        return kind(model, options(activation_bytes=1 << 20)).interpret
+
+    assert on("tpu") is False and on("cpu") is True
+    assert on("tpu", PackedDenseBackend, PackedOptions) is None  # no kernel

@@ -47,6 +47,9 @@ class Engine:
             batch-invariant mode `planning.FixedRule`, whose pick never depends on the batch).
         profile: the device profile the cost model prices backends with (default the built-in
             one of this device kind).
+        executables_guard: the `executables.Guard` that keeps this engine's compiled
+            executables within the process's memory maps and drops only them (default a new
+            one: engines never share executables unless they share a guard).
         batch_invariant: a request's scores bit-identical whatever shares its call
             (docs/batch-invariance.md); backends that cannot be so are refused.
     """
@@ -61,6 +64,7 @@ class Engine:
         selector: planning.Selector | None = None,
         profile: DeviceProfile | None = None,
         batch_invariant: bool = False,
+        executables_guard: executables.Guard | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -69,8 +73,8 @@ class Engine:
         self.cost_model = selection.CostModel(profile, model.platform)
         default_selector = planning.FixedRule() if self.batch_invariant else self.cost_model
         self.selector = selector or default_selector
-        self.backends = BackendPool(model, backend_options, self.batch_invariant)
-        executables.guard()  # counting compiles from now on
+        self.executables = executables_guard or executables.Guard()
+        self.backends = BackendPool(model, backend_options, self.batch_invariant, self.executables)
 
     @property
     def config(self) -> ModelConfig:
@@ -154,7 +158,7 @@ class Engine:
                     results[i] = result
             if on_progress is not None:
                 on_progress(sum(len(g.members) for g in call.groups))
-        executables.guard().check()
+        self.executables.check()
         return results
 
     def run_batch(
@@ -186,7 +190,7 @@ class Engine:
         backend: LoglikelihoodBackend = self.backends.get(name)
         plan = backend.plan_loglikelihood(request.context, request.continuations)
         scores = memory_guard.run(name, backend, plan)
-        executables.guard().check()
+        self.executables.check()
         return scores
 
     def prompt_logprobs(
@@ -200,7 +204,7 @@ class Engine:
         backend: PromptLogprobsBackend = self.backends.get(name)
         plan = backend.plan_prompt_logprobs(extensions)
         scores = memory_guard.run(name, backend, plan)
-        executables.guard().check()
+        self.executables.check()
         return scores
 
     def warmup(

@@ -26,7 +26,7 @@ from tpuscore.backends import contract, registry
 from tpuscore.backends.buckets import MIN_LABEL_BUCKET
 from tpuscore.backends.contract import ShapeLimits, StepShape
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, planning
+from tpuscore.engine import planning
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models.config import ModelConfig
 
@@ -88,14 +88,15 @@ def shape_set(pool: BackendPool, names: Sequence[str], limits: ShapeLimits) -> l
 
 def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
     """Compile every shape, each by running its step once on zeros; one `Warmed` per backend
-    (geometry None, steps: its shapes), logged. Every `WARMUP_PROBE` shapes, ValidationError
-    ("shape_set_too_large") if the whole set's executables would not fit in the memory maps the
-    process may hold (`executables`); the backend with the most shapes goes first, so the first
-    probe measures the executables that dominate the set."""
+    (geometry None, steps: its shapes), logged. Every `warmup_probe` shapes of the pool's
+    `executables.Guard`, ValidationError ("shape_set_too_large") if the whole set's executables
+    would not fit in the memory maps the process may hold; the backend with the most shapes goes
+    first, so the first probe measures the executables that dominate the set."""
     by_backend: dict[str, list[StepShape]] = {}
     for shape in shapes:
         by_backend.setdefault(shape.backend, []).append(shape)
-    guard, maps_before, done = executables.guard(), executables.map_count(), 0
+    guard = pool.guard
+    maps_before, done = guard.map_count(), 0
     warmed = []
     for name, own in sorted(by_backend.items(), key=lambda named: -len(named[1])):
         table = pool.get(name).steps
@@ -103,7 +104,7 @@ def warm_all(pool: BackendPool, shapes: Sequence[StepShape]) -> list[Warmed]:
         for shape in own:
             contract.warm(table, shape)
             done += 1
-            if done % executables.WARMUP_PROBE == 0:
+            if done % guard.warmup_probe == 0:
                 guard.check_warmup(len(shapes), done, maps_before)
         jax.effects_barrier()
         seconds = time.perf_counter() - start

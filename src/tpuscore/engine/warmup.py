@@ -4,7 +4,8 @@ A geometry is (query tokens, items, item tokens). Warming one runs a synthetic r
 geometry through the backend that would serve it, so every step shape it meets (after bucketing,
 chunking and batching) is compiled, and exactly those. It runs on a separate set of backend
 instances sharing the model, so the scorer's prefix cache and its statistics are untouched; the
-compiled executables are shared, since JAX caches them per function and shape.
+compiled executables are shared, since the fresh instances run the scorer's copies of the jitted
+steps (`executables.Guard`), which cache them per shape.
 
 Under "auto" a geometry is warmed on the backend a cold request picks and, when that run cached
 the query (prefill_extend) and the cached query changes the pick, on that one too: the same
@@ -24,7 +25,7 @@ import numpy as np
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, memory_guard, planning
+from tpuscore.engine import memory_guard, planning
 
 logger = logging.getLogger(__name__)
 
@@ -105,5 +106,5 @@ def warm(
                     "warmed %s on %s: %d steps in %.2f s", geometry, chosen, stats.steps, seconds
                 )
                 warmed.append(Warmed(geometry, chosen, stats.steps, seconds))
-        executables.guard().check()
+        pool.guard.check()
     return warmed

@@ -33,9 +33,11 @@ CPU_SCORE_BLOCK_BYTES = 4 << 20  # about an L2 cache: see `_prefix_parts`
 SCORE_BLOCK_BYTES = 256 << 20
 
 
-def score_block_tokens(tokens: int, bytes_per_token: int) -> int:
-    """The largest divisor of tokens whose attention scores fit the score block (at least 1)."""
-    budget = CPU_SCORE_BLOCK_BYTES if jax.default_backend() == "cpu" else SCORE_BLOCK_BYTES
+def score_block_tokens(tokens: int, bytes_per_token: int, platform: str | None = None) -> int:
+    """The largest divisor of tokens whose attention scores fit the score block (at least 1) of
+    `platform` (where the step runs: the model's; None, this process's default)."""
+    on_cpu = (platform or jax.default_backend()) == "cpu"
+    budget = CPU_SCORE_BLOCK_BYTES if on_cpu else SCORE_BLOCK_BYTES
     fits = max(1, budget // bytes_per_token)
     return max(t for t in range(1, min(tokens, fits) + 1) if tokens % t == 0)
 
@@ -162,6 +164,7 @@ def _prefix_parts(
     positions: jax.Array | None = None,
     key_blocks: int = 1,
     length: jax.Array | None = None,
+    platform: str | None = None,
 ):
     """Attention of every row of q [B,T,N,H] to one shared prefix, unnormalized.
 
@@ -182,7 +185,7 @@ def _prefix_parts(
     G = N // K
     width = P // key_blocks
     assert width * key_blocks == P, (P, key_blocks)
-    t = score_block_tokens(B * T, bytes_per_token=N * width * 4)
+    t = score_block_tokens(B * T, bytes_per_token=N * width * 4, platform=platform)
     q = q.reshape(B * T // t, t, K, G, H).transpose(0, 2, 3, 1, 4).reshape(-1, K, G * t, H)
     windowed = layer is not None and layer.window is not None
     # Each block's token positions [blocks, t]: flattened token b*T + i sits at positions[i].
@@ -422,6 +425,7 @@ def extend(
     prefix_blocks: int = 1,
     prefix_kernel: PrefixKernel | None = None,
     adapters: RowAdapters | None = None,
+    platform: str | None = None,
 ):
     """Run tokens [B, T], each row continuing a prefix, without copying a shared one.
 
@@ -444,6 +448,8 @@ def extend(
 
     adapters: as `forward`'s, for the rows' own tokens; a row's prefix must have been computed
     under the same adapter (a prefix's K/V depend on it).
+    platform: where the step runs (the model's, resolved once; None: this process's default),
+    which sizes `_prefix_parts`' score blocks (`score_block_tokens`).
 
     Returns hidden [B, T, D], and with return_kv the rows' own k/v [layers, B, T, K, H].
     """
@@ -462,7 +468,15 @@ def extend(
 
         def xla_ops():
             return _prefix_parts(
-                q, prefix_k, prefix_v, prefix_mask, layer, positions[0], prefix_blocks, length
+                q,
+                prefix_k,
+                prefix_v,
+                prefix_mask,
+                layer,
+                positions[0],
+                prefix_blocks,
+                length,
+                platform,
             )
 
         if prefix_kernel is None or layer.window is not None or layer.softcap is not None:

@@ -224,7 +224,7 @@ class Service:
         self.model_name = model_name
         self.max_body_bytes, self.limits = max_body_bytes, limits
         self.num_labels = len(self.labels) if self.labels else classes
-        self.metrics = Metrics()
+        self.metrics = Metrics(executables_guard=scorer.engine.executables)
         self.created = int(time.time())
 
     async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
@@ -689,7 +689,12 @@ def create_app(
             max_body_bytes=max_body_bytes,
             limits=limits,
         )
-        service.metrics = Metrics(metrics_names, model_name=model_name, batcher=batcher)
+        service.metrics = Metrics(
+            metrics_names,
+            model_name=model_name,
+            batcher=batcher,
+            executables_guard=scorer.engine.executables,
+        )
     except Exception:
         if own:
             batcher.close()

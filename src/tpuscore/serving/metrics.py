@@ -25,12 +25,18 @@ METRICS_NAMES: tuple[MetricsNames, ...] = ("tpuscore", "vllm", "both")
 class Metrics:
     """tpuscore_requests_total, _request_seconds, _items_total, _tokens_total and
     _backend_picks_total, each labelled by endpoint (the path) or backend; and the process's
-    compiled executables (`Executables`); given the batcher, tpuscore_requests_waiting and
+    compiled executables and the served scorer's drops (`Executables`, given its guard); given
+    the batcher, tpuscore_requests_waiting and
     _running (`Batcher.counts()`). With names "vllm" or "both", vLLM's series
     (`VllmMetrics`, which reads `batcher`'s queue); "vllm" leaves tpuscore's out."""
 
     def __init__(
-        self, names: MetricsNames = "tpuscore", *, model_name: str = "", batcher=None
+        self,
+        names: MetricsNames = "tpuscore",
+        *,
+        model_name: str = "",
+        batcher=None,
+        executables_guard: executables.Guard | None = None,
     ) -> None:
         if names not in METRICS_NAMES:
             raise ValueError(f"metrics names must be one of {METRICS_NAMES}, got {names!r}")
@@ -60,7 +66,7 @@ class Metrics:
             "backend_picks", "scoring results by the backend that ran them", ["backend"], **kw
         )
         if own:
-            self.registry.register(Executables())
+            self.registry.register(Executables(executables_guard))
         if own and batcher is not None:  # the autoscaler's signal (deploy/base/hpa.yaml)
             self.registry.register(
                 QueueGauges(
@@ -90,20 +96,25 @@ class Metrics:
 
 
 class Executables:
-    """tpuscore_executables_built_total (compiled or loaded from the persistent cache: a
-    service that keeps meeting new shapes shows here), _dropped_total (every executable dropped
-    to stay under the process's memory-map limit) and tpuscore_memory_maps (Linux only):
-    process-wide, read from `executables.guard()` at each scrape."""
+    """tpuscore_executables_built_total (compiled or loaded from the persistent cache, by the
+    whole process: a service that keeps meeting new shapes shows here), _dropped_total (times
+    the served scorer's `guard` dropped its executables to stay under the process's memory-map
+    limit; 0 without a guard) and tpuscore_memory_maps (the process's, Linux only): read at each
+    scrape."""
+
+    def __init__(self, guard: executables.Guard | None = None) -> None:
+        self.guard = guard
 
     def collect(self):
-        guard = executables.guard()
         yield CounterMetricFamily(
-            "tpuscore_executables_built", "executables built by this process", value=guard.compiles
+            "tpuscore_executables_built",
+            "executables built by this process",
+            value=executables.compiles(),
         )
         yield CounterMetricFamily(
             "tpuscore_executables_dropped",
-            "times every executable was dropped to stay under the memory-map limit",
-            value=guard.dropped,
+            "times the scorer's executables were dropped to stay under the memory-map limit",
+            value=0 if self.guard is None else self.guard.dropped,
         )
         maps = executables.map_count()
         if maps is not None:

@@ -87,6 +87,16 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
     dense_mask = True
     score_packed = staticmethod(steps.score_packed)  # the jitted step: a seam for tests
 
+    @property
+    def interpret(self) -> bool | None:
+        """Whether the segment kernel runs in Pallas interpret mode: where the model runs (its
+        platform, resolved once) is not the platform the tiles are for. None without the kernel."""
+        if self.block_sizes is None:
+            return None
+        return self.model.platform != (
+            "gpu" if isinstance(self.block_sizes, GpuBlockSizes) else "tpu"
+        )
+
     def __init__(self, model: Model, options: PackedOptions):
         self.model = model
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
@@ -129,6 +139,7 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
                 config=self.model.config,
                 block_sizes=self.block_sizes,
                 layout=self.model.layout,
+                interpret=self.interpret,
             )
             for r, (g, rows) in enumerate(step.chunks):
                 out.scores(g, rows, logprobs, index=r)

@@ -19,6 +19,7 @@ class PackedStepShapes:
 
     model: Model
     block_sizes: BlockSizes | GpuBlockSizes | None
+    interpret: bool | None  # the segment kernel in interpret mode (`PackedBackend.interpret`)
 
     @property
     def steps(self) -> StepTable:
@@ -35,6 +36,7 @@ class PackedStepShapes:
             "config": self.model.config,
             "block_sizes": self.block_sizes,
             "layout": self.model.layout,
+            "interpret": self.interpret,
         }
         return args, kwargs
 

@@ -54,8 +54,6 @@ from tpuscore.backends.prefill_extend.steps import (
     SCORE_ITEMS,
     SCORE_MIXED_ITEMS,
     keys_read,
-    resize,
-    unstack,
 )
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.model import Model
@@ -106,13 +104,17 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
     (loglikelihood.py), prompt log-probabilities plans in `PromptLogprobs`
     (prompt_logprobs.py), running and pricing here."""
 
-    # The jitted steps, reached through the instance: a seam for tests.
+    # The jitted steps, reached through the instance: a seam for tests, and what the scorer's
+    # executables guard replaces with its own copies (`engine.executables.Guard.own`).
     prefill = staticmethod(steps.prefill)
     prefill_rows = staticmethod(steps.prefill_rows)
     score_items = staticmethod(steps.score_items)
     score_mixed_items = staticmethod(steps.score_mixed_items)
     continuation_logprobs = staticmethod(steps.continuation_logprobs)
     prompt_logprobs = staticmethod(steps.prompt_logprobs)
+    stack_prefixes = staticmethod(steps.stack)
+    unstack = staticmethod(steps.unstack)
+    resize = staticmethod(steps.resize)
 
     def __init__(self, model: Model, options: PrefillExtendOptions):
         self.model = model
@@ -286,11 +288,11 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
             size=step.size,
         )
         stacked = layout.put_prefix(stacked, stacked=True)  # as `warm` places it (on a mesh)
-        return [unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]
+        return [self.unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]
 
     def _resized(self, prefix: Prefix, size: int) -> Prefix:
         """`prefix` holding `size` positions (itself if it does)."""
-        return prefix if prefix.k.shape[-1] == size else resize(prefix, size=size)
+        return prefix if prefix.k.shape[-1] == size else self.resize(prefix, size=size)
 
     def _extend(self, step, wave, batches, query_of, prefixes, out) -> None:
         """Run one extend step of a wave (step.groups index into the wave)."""

@@ -24,9 +24,6 @@ from tpuscore.backends.prefill_extend.steps import (
     SCORE_MIXED_ITEMS,
     STACK,
     UNSTACK,
-    resize,
-    stack,
-    unstack,
 )
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.model import Model
@@ -44,8 +41,8 @@ class StepShapes:
             Step(PREFILL, self.prefill, self._prefill_zeros),
             Step(PREFILL_ROWS, self.prefill_rows, self._prefill_rows_zeros),
             Step(STACK, self.stack, self._stack_zeros),
-            Step(UNSTACK, unstack, self._unstack_zeros),
-            Step(RESIZE, resize, self._resize_zeros),
+            Step(UNSTACK, self.unstack, self._unstack_zeros),
+            Step(RESIZE, self.resize, self._resize_zeros),
             Step(SCORE_ITEMS, self.score_items, self._score_items_zeros),
             Step(SCORE_MIXED_ITEMS, self.score_mixed_items, self._score_mixed_items_zeros),
             Step(CONTINUATION_LOGPROBS, self.continuation_logprobs, self._continuation_zeros),
@@ -105,7 +102,9 @@ class StepShapes:
 
     def stack(self, prefixes: Sequence[Prefix], count: int) -> Prefix:
         """`count` prefixes of one size stacked (`stack`), placed as the steps take them."""
-        return self.model.layout.put_prefix(stack(prefixes, count=count), stacked=True)
+        return self.model.layout.put_prefix(
+            self.stack_prefixes(prefixes, count=count), stacked=True
+        )
 
     def _prefill_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         length, base_len, size = shape

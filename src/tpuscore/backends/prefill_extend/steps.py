@@ -98,7 +98,7 @@ def prefill(
     hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
         prefix_blocks=key_blocks(prefix.k.shape[-1], R, platform=platform),
-        prefix_kernel=prefix_kernel(),
+        prefix_kernel=prefix_kernel(), platform=platform,
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -155,8 +155,16 @@ def score_items(
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
     blocks = key_blocks(prefix.k.shape[-1], platform=platform)
+    kernel = prefix_kernel()
     hidden, _ = decoder.extend(
-        params, config, prefix, items, causal, prefix_blocks=blocks, prefix_kernel=prefix_kernel()
+        params,
+        config,
+        prefix,
+        items,
+        causal,
+        prefix_blocks=blocks,
+        prefix_kernel=kernel,
+        platform=platform,
     )
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
