@@ -75,12 +75,14 @@ def test_an_out_of_memory_retry_shrinks_only_its_own_scorers_steps(scorers, rng)
 
 
 def test_other_errors_and_unshrinkable_steps_are_not_retried(scorers, rng):
-    scorer = fresh(scorers("qwen2_bias"))
+    base = scorers("qwen2_bias")  # a scorer of its own: no other test's backends or state
+    scorer = Scorer(base.config, base.params, base.tokenizer)
     vocab = scorer.config.vocab_size
     query, items = random_tokens(rng, 10, vocab), [random_tokens(rng, 3, vocab)]
     calls = fail_first_call(scorer, "packed_dense", "INTERNAL: something else")
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         scorer.score(query, items, [1], backend="packed_dense")
+    assert len(calls) == 1
     assert scorer.get_backend("packed_dense").safety == 1
 
     # One item in one step: nothing to halve, so the error stands.
