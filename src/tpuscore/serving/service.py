@@ -1,0 +1,107 @@
+"""The endpoints over one scorer and its batcher: `Service`, its shared parts here and each
+dialect's handlers in its own module (sglang.py, vllm.py, rerank.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import Response
+
+from tpuscore.api import templates
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import RequestLimits
+from tpuscore.scorer import Scorer
+from tpuscore.serving import dialects, guards, protocol
+from tpuscore.serving.batcher import Batcher
+from tpuscore.serving.dialects import JSONResponse
+from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
+from tpuscore.serving.rerank import RerankEndpoints
+from tpuscore.serving.sglang import SglangEndpoints
+from tpuscore.serving.vllm import VllmEndpoints
+from tpuscore.tasks import ranking
+
+
+class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
+    """The endpoints over one scorer and its batcher."""
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        batcher: Batcher,
+        *,
+        model_name: str,
+        rerank_template: str | templates.Template,
+        max_body_bytes: int,
+        limits: RequestLimits,
+    ):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes ({max_body_bytes}) must be >= 1")
+        if isinstance(rerank_template, templates.Template):
+            self.template = rerank_template
+        else:
+            try:
+                self.template = templates.get(rerank_template)
+            except ValueError as e:  # ValidationError: unknown_template
+                raise ValueError(f"--rerank-template: {e}") from None
+        # A classification model ranks by its own classes: the template renders the text and
+        # supplies the item suffix, not the labels; the relevant class is the only one, else the
+        # last (LABEL_1 of a binary classifier).
+        classes = scorer.config.num_labels
+        self.labels = None if classes else list(self.template.labels)
+        self.positive = ranking.relevant_class(classes)
+        try:  # a template whose labels are not single tokens here would fail every rerank
+            t = self.template
+            scorer.prepare(
+                t.render_query("query"),
+                [t.render_item("document")],
+                labels=self.labels,
+                item_suffix=t.item_suffix,
+            )
+        except ValidationError as e:
+            raise ValueError(
+                f"rerank template {t.name!r} does not fit this model: {e}; "
+                "choose another --rerank-template"
+            ) from None
+        fitted = scorer.score_calibration
+        if fitted is not None and fitted.template is not None:  # docs/calibration.md
+            fitted.check(template=self.template.name)
+        self.scorer, self.batcher = scorer, batcher
+        self.model_name = model_name
+        self.max_body_bytes, self.limits = max_body_bytes, limits
+        self.num_labels = len(self.labels) if self.labels else classes
+        self.metrics = Metrics(executables_guard=scorer.engine.executables)
+        self.created = int(time.time())
+
+    async def scored(self, request: Request, **score_kwargs: Any):
+        """The Batcher's result for this HTTP request, under its deadline (the header, at most
+        the server's), dropped unscored if its client disconnects first."""
+        timeout_s = guards.request_timeout(request.headers, self.batcher.request_timeout_s)
+        work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
+        return await guards.unless_disconnected(request.receive, work)
+
+    async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
+        """SGLang's or vLLM's score request, told apart by their fields."""
+        if isinstance(body, protocol.ScoreRequest):
+            dialects.speak(request.scope, "sglang")
+            return await self.score(request, body)
+        dialects.speak(request.scope, "vllm")
+        return await self.score_pairs(request, body)
+
+    def require_tokenizer(self, param: str):
+        if self.scorer.tokenizer is None:
+            raise ValidationError(
+                "invalid_argument",
+                "this server's model has no tokenizer: it takes token ids only",
+                param,
+            )
+        return self.scorer.tokenizer
+
+    async def health(self) -> Response:
+        """`ok` once the model is loaded."""
+        return JSONResponse(protocol.Health(model=self.model_name).model_dump())
+
+    async def prometheus(self) -> Response:
+        """The Prometheus series: requests by status, latency, items, tokens, backends."""
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)

@@ -1,0 +1,37 @@
+"""SGLang's dialect: POST /v1/score (and /score with SGLang's fields), mixed into `Service`."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from starlette.responses import Response
+
+from tpuscore.api import validation
+from tpuscore.serving import protocol
+from tpuscore.serving.dialects import JSONResponse
+
+
+class SglangEndpoints:
+    """SGLang's endpoint, over the `Service` attributes it reads (limits, scored, metrics)."""
+
+    async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
+        """SGLang's scoring: P(label | query + item) for each item and label; on a classification
+        model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
+        class) with apply_softmax, as SGLang scores SequenceClassification models."""
+        items = [body.items] if isinstance(body.items, str) else body.items
+        validation.check_size(
+            self.limits,
+            items=("items", items),
+            values={"query": body.query, "labels": body.labels},
+            num_labels=validation.label_count(body.labels, body.label_token_ids),
+        )
+        result = await self.scored(
+            request, query=body.query, items=items, **protocol.score_options(body)
+        )
+        self.metrics.scored(request.url.path, len(items), result)
+        response = protocol.ScoreResponse(
+            scores=result.scores.tolist(),
+            model=self.model_name,
+            usage=protocol.Usage.of(result.num_tokens),
+            calibrated=protocol.calibrated(result),
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
