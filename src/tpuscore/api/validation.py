@@ -482,6 +482,10 @@ def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any,
 # -- request size -----------------------------------------------------------------------------
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _length(value: Any) -> int:
     """A value's length as `RequestLimits` counts it: a text's characters, a list's entries (a
     token-id list's ids); 0 for anything else, which validation refuses later."""
@@ -509,6 +513,13 @@ def check_size(
     name, entries = items
     entries = [entries] if isinstance(entries, str) else entries
     count = len(entries) if isinstance(entries, (list, tuple)) else 0
+    # A malformed token-id list is refused as such (400) before a bound (413): one pass over
+    # what the body already holds.
+    for i, entry in enumerate(entries if count else ()):
+        if isinstance(entry, list) and not all(_is_token_id(t) for t in entry):
+            raise ValidationError(
+                "invalid_items", f"{name}[{i}] must hold token ids (ints)", f"{name}[{i}]"
+            )
     if count > limits.max_items:
         raise ValidationError(
             "too_many_items",
