@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from tpuscore.api import processes
 from tpuscore.engine import compilation_cache
 
 HIT = "/jax/compilation_cache/cache_hits"
@@ -135,7 +136,7 @@ def test_enabling_tidies_what_an_older_jax_or_a_killed_write_left(tmp_path, jax_
     (root / "orphan-atime").write_bytes(b"\0" * 8)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           check=True, capture_output=True, text=True)  # fmt: skip
-    host = compilation_cache._host()
+    host = processes.host_tag()
     killed = root / f".tmp-{int(dead.stdout)}-{host}-abc"
     live = root / f".tmp-{os.getpid()}-{host}-abc"
     killed.write_bytes(b"half")

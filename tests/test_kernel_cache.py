@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import run_seed
+from tpuscore.api import processes
 from tpuscore.kernels import cpu_attention
 from tpuscore.kernels.cpu_attention import library
 from tpuscore.models import decoder
@@ -163,7 +164,7 @@ def test_missing_folders_are_created_private(cxx, stand_in, tmp_path):
 def test_a_killed_builds_temporary_file_goes(cxx, stand_in, folder):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           check=True, capture_output=True, text=True)  # fmt: skip
-    host = library._host()
+    host = processes.host_tag()
     leftover = folder / f".build-{int(dead.stdout)}-{host}-abc.so"
     live = folder / f".build-{os.getpid()}-{host}-abc.so"
     old = folder / ".build-1-0badc0de-abc.so"

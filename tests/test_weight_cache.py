@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from test_gguf import _tiny_gguf
+from tpuscore.api import processes
 from tpuscore.models import loaders
 from tpuscore.models.loaders import weight_cache
 
@@ -139,7 +140,7 @@ def test_leftovers_of_killed_writes_are_cleaned(tmp_path, cache):
     """A staging folder whose process is gone goes at the next load, as does one older than a
     day (another host's, or an older tpuscore's); a live process's stays."""
     cache.mkdir()
-    host = weight_cache._host()
+    host = processes.host_tag()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
                           capture_output=True, text=True)  # fmt: skip
     dead_pid = int(dead.stdout)
@@ -216,12 +217,12 @@ def test_an_entry_over_the_cap_is_not_written(tmp_path, cache, monkeypatch, capl
     [("4096", 4096), ("1K", 1024), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("10g", 10 << 30)],
 )
 def test_parse_size(text, expected):
-    assert weight_cache.parse_size(text, "X") == expected
+    assert processes.parse_size(text, "X") == expected
 
 
 def test_parse_size_refuses_nonsense():
     with pytest.raises(ValueError, match="X='ten' is not a size"):
-        weight_cache.parse_size("ten", "X")
+        processes.parse_size("ten", "X")
 
 
 def test_off_writes_nothing(tmp_path, monkeypatch):

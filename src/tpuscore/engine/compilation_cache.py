@@ -27,11 +27,8 @@ directory (`command_dir`), so a second call of the same shapes loads instead of 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -41,7 +38,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from tpuscore.models.loaders.weight_cache import parse_size
+from tpuscore.api.processes import host_tag, parse_size, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +245,9 @@ def tidy(root: Path) -> None:
             age = time.time() - path.stat().st_mtime
         except OSError:
             continue
-        if age > STALE_SECONDS or (host == _host() and pid.isdigit() and not _alive(int(pid))):
+        if age > STALE_SECONDS or (
+            host == host_tag() and pid.isdigit() and not pid_alive(int(pid))
+        ):
             path.unlink(missing_ok=True)
 
 
@@ -257,7 +256,7 @@ def _stamp(path: Path, ns: int) -> None:
 
 
 def _write_whole(path: Path, value: bytes) -> None:
-    fd, name = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-{_host()}-", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-{host_tag()}-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(value)
@@ -265,20 +264,3 @@ def _write_whole(path: Path, value: bytes) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
-
-
-@functools.cache
-def _host() -> str:
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-
-
-def _alive(pid: int) -> bool:
-    if sys.platform == "win32":  # os.kill(pid, 0) would signal it there: trust the age only
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True

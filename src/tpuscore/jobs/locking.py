@@ -23,6 +23,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tpuscore.api.processes import pid_alive
 from tpuscore.jobs.scoring import JobConfigError
 
 log = logging.getLogger(__name__)
@@ -116,18 +117,6 @@ def _parse(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # cannot tell: assume it runs
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def _hold_advisory(fs: fsspec.AbstractFileSystem, path: str, output: str) -> Iterator[dict]:
     if fs.exists(path):
@@ -135,7 +124,7 @@ def _hold_advisory(fs: fsspec.AbstractFileSystem, path: str, output: str) -> Ite
         stale = (
             previous is not None
             and previous.get("host") == socket.gethostname()
-            and not _alive(previous.get("pid"))
+            and not pid_alive(previous.get("pid"))
         )
         if not stale:
             raise OutputLocked(output, path, previous)

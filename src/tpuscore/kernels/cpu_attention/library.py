@@ -34,7 +34,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -46,6 +45,8 @@ from pathlib import Path
 
 import jax
 import jaxlib
+
+from tpuscore.api.processes import host_tag, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def _open(path: Path) -> ctypes.CDLL:
 
 
 def _temporary_prefix() -> str:
-    return f".build-{os.getpid()}-{_host()}-"
+    return f".build-{os.getpid()}-{host_tag()}-"
 
 
 def _build(cxx: list[str], out: Path) -> None:
@@ -218,11 +219,6 @@ def _build(cxx: list[str], out: Path) -> None:
         built.unlink(missing_ok=True)
 
 
-@functools.cache
-def _host() -> str:
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-
-
 def clean_leftovers(folder: Path, stale_seconds: float = STALE_SECONDS) -> list[Path]:
     """Remove temporary build files whose process on this host is gone, and any older than
     `stale_seconds`. Returns what was removed."""
@@ -233,21 +229,11 @@ def clean_leftovers(folder: Path, stale_seconds: float = STALE_SECONDS) -> list[
         except OSError:
             continue
         _, pid, host, _ = (path.name.split("-", 3) + ["", "", ""])[:4]
-        dead = host == _host() and pid.isdigit() and not _alive(int(pid))
+        dead = host == host_tag() and pid.isdigit() and not pid_alive(int(pid))
         if dead or age > stale_seconds:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,8 +39,6 @@ import logging
 import os
 import re
 import shutil
-import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from tpuscore.api.processes import host_tag, parse_size, pid_alive
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 
@@ -83,18 +82,6 @@ def cache_dir() -> Path | None:
         return None if configured.strip().lower() in ("off", "0", "") else Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tpuscore" / "weights"
-
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
-
-
-def parse_size(text: str, name: str) -> int:
-    """Bytes from "10G", "512M", "1.5GiB", "4096" (binary units); ValueError naming `name`."""
-    match = _SIZE.fullmatch(text.strip())
-    if match is None:
-        raise ValueError(f"{name}={text!r} is not a size such as 10G, 512M or 4096 (bytes)")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
 
 
 def max_size() -> int:
@@ -250,13 +237,8 @@ def evict(root: Path, max_bytes: int, keep: Path | None = None) -> list[Path]:
     return removed
 
 
-@functools.cache
-def _host() -> str:
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-
-
 def _staging_prefix(kind: str) -> str:
-    return f".{kind}-{os.getpid()}-{_host()}-"
+    return f".{kind}-{os.getpid()}-{host_tag()}-"
 
 
 _LEFTOVER = re.compile(r"\.(?:staging|trash)-(\d+)-([0-9a-f]{8})-\w+")
@@ -277,24 +259,12 @@ def clean_leftovers(root: Path, stale_seconds: float = STALE_SECONDS) -> list[Pa
         except OSError:
             continue
         match = _LEFTOVER.fullmatch(path.name)
-        mine = match is not None and match[2] == _host()
-        if age > stale_seconds or (mine and not _alive(int(match[1]))):
+        mine = match is not None and match[2] == host_tag()
+        if age > stale_seconds or (mine and not pid_alive(int(match[1]))):
             logger.info("removing %s, left by a write that did not finish", path)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if sys.platform == "win32":  # os.kill(pid, 0) would signal it there: trust the age only
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
