@@ -11,7 +11,6 @@ from typing import Any, Literal
 import jax
 import tokenizers
 
-from tpuscore.api import validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
@@ -154,41 +153,22 @@ class Scorer:
     def prepare_request(
         self, request: Mapping[str, Any], *, backend: str | None = None
     ) -> ScoreRequest:
-        """One request given as a mapping of `score`'s arguments (as `score_batch` takes each),
-        validated and tokenized for `run`; `backend` (default the scorer's) is checked to be
-        registered and able to run it. Raises ValidationError, located inside the request."""
-        query, items, options = validation.request_arguments(request)
-        prepared = self.engine.prepare(query, items, options)
-        name = self.engine.backend_name(backend)
-        if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
-            registry.check_capabilities(name, prepared.item_first)
-        return prepared
+        """One request as a mapping of `score`'s arguments (as `score_batch` takes each),
+        prepared for `run`; `backend` checked to run it. Raises located ValidationErrors."""
+        return self.engine.prepare_request(request, backend)
 
     def prepare_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         errors: Literal["raise", "return"] = "raise",
     ) -> list[ScoreRequest | ValidationError]:  # fmt: skip
-        """Every request prepared (`prepare_request`), in order. errors="raise": the first bad
-        one raises, located at ("requests", i, ...); "return": its ValidationError, so located,
-        stands in its place in the list and the others are prepared all the same."""
-        if errors not in ("raise", "return"):
-            raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
-        prepared: list[ScoreRequest | ValidationError] = []
-        for i, request in enumerate(requests):
-            try:
-                prepared.append(self.prepare_request(request, backend=backend))
-            except ValidationError as e:
-                if errors == "raise":
-                    raise e.at("requests", i) from None
-                prepared.append(e.at("requests", i))
-        return prepared
+        """Every request prepared, in order: errors="raise" raises the first bad one's error,
+        located at ("requests", i, ...); "return" puts it in its request's place."""
+        return self.engine.prepare_batch(requests, backend, errors)
 
     def validate_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
     ) -> list[ValidationError | None]:
-        """Per request (a mapping of `score`'s arguments), its ValidationError (located at
-        ("requests", i, ...): `error.loc`, `error.request_index`) or None if `score_batch`
-        would take it; nothing runs."""
+        """Per request, its located ValidationError or None if `score_batch` takes it."""
         prepared = self.prepare_batch(requests, backend=backend, errors="return")
         return [p if isinstance(p, ValidationError) else None for p in prepared]
 

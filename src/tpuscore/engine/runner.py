@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import tokenizers
@@ -28,7 +28,7 @@ from tpuscore.backends.contract import (
     ShapeLimits,
 )
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, memory_guard, planning, progress, selection, shapes
+from tpuscore.engine import executables, memory_guard, planning, selection, shapes
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 from tpuscore.models.config import ModelConfig
@@ -113,17 +113,36 @@ class Engine:
             config.pad_token_id,
         )
 
-    def prepare_batch(self, requests: Sequence[Mapping[str, Any]]) -> list[ScoreRequest]:
-        """Every request of a `score_batch` call prepared, each error located in its request
-        ("requests[3].items"); none runs before all are checked."""
-        prepared = []
+    def prepare_request(
+        self, request: Mapping[str, Any], backend: str | None = None
+    ) -> ScoreRequest:
+        """One request given as a mapping of `Scorer.score`'s arguments, prepared; `backend`
+        (default the engine's) checked to be registered and able to run it."""
+        query, items, options = validation.request_arguments(request)
+        prepared = self.prepare(query, items, options)
+        name = self.backend_name(backend)
+        if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
+            registry.check_capabilities(name, prepared.item_first)
+        return prepared
+
+    def prepare_batch(
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        backend: str | None = None,
+        errors: Literal["raise", "return"] = "raise",
+    ) -> list[ScoreRequest | ValidationError]:
+        """Every request prepared, in order, each error located at ("requests", i, ...):
+        raised at the first (errors="raise"), or standing in its request's place ("return")."""
+        if errors not in ("raise", "return"):
+            raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
+        prepared: list[ScoreRequest | ValidationError] = []
         for i, request in enumerate(requests):
-            where = f"requests[{i}]"
-            query, items, options = validation.request_arguments(request, where)
             try:
-                prepared.append(self.prepare(query, items, options))
+                prepared.append(self.prepare_request(request, backend))
             except ValidationError as e:
-                raise e.within(where) from None
+                if errors == "raise":
+                    raise e.at("requests", i) from None
+                prepared.append(e.at("requests", i))
         return prepared
 
     def run(
@@ -160,18 +179,6 @@ class Engine:
                 on_progress(sum(len(g.members) for g in call.groups))
         self.executables.check()
         return results
-
-    def run_batch(
-        self,
-        requests: Sequence[Mapping[str, Any]],
-        *,
-        backend: str | None = None,
-        show_progress: bool = False,
-    ) -> list[ScoreResult]:
-        """`Scorer.score_batch`: prepare every request, then run them in one call."""
-        prepared = self.prepare_batch(requests)
-        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
-            return self.run(prepared, backend=backend, on_progress=advance)
 
     def plan(self, request: ScoreRequest) -> selection.Plan:
         """Every built-in backend's estimate for the request, and the pick "auto" would make
