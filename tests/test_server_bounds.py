@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from helpers import ServerThread
 from test_server import TEMPLATE, Held, error_of
-from tpuscore.api import tokenization, validation
+from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
 from tpuscore.serving import app as server
@@ -179,11 +179,11 @@ def test_the_reported_request_is_refused_cheaply(client):
     505 MiB; at the default limits it is refused by its label count, and the answer is short."""
     labels = [3] * 50_000
     with pytest.raises(ValidationError) as refused:
-        validation.check_size(
+        bounds.check_size(
             RequestLimits(),
             items=("items", [[2]] * 32),
             values={"query": [1], "label_token_ids": labels},
-            num_labels=validation.label_count(None, labels),
+            num_labels=bounds.label_count(None, labels),
         )
     assert refused.value.code == "too_many_labels"
     body = {"query": [1], "items": [[2]] * 2, "label_token_ids": labels}

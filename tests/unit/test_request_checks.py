@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import models, pre_tokenizers, processors
 
 import tpuscore.api
-from tpuscore.api import templates, validation
+from tpuscore.api import bounds, templates, validation
 from tpuscore.api.calibration import Calibration
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError, check_int
@@ -169,7 +169,7 @@ TINY = RequestLimits(
 
 
 def sized(items: list[str], num_labels: int = 0) -> None:
-    validation.check_size(TINY, items=("items", items), values={}, num_labels=num_labels)
+    bounds.check_size(TINY, items=("items", items), values={}, num_labels=num_labels)
 
 
 OTHER_BAD = [
@@ -183,7 +183,7 @@ OTHER_BAD = [
     ("invalid_chunking", lambda: Chunking(window=4, aggregate="median")),
     ("invalid_chunking", lambda: Chunking.of(["window", 4])),
     ("invalid_calibration", lambda: Calibration.load("/nonexistent/calibration.json")),
-    ("too_many_items", lambda: validation.check_size(TINY, items=("items", ["a"] * 3), values={})),
+    ("too_many_items", lambda: bounds.check_size(TINY, items=("items", ["a"] * 3), values={})),
     ("too_many_labels", lambda: sized(["a"], num_labels=3)),
     ("too_many_scores", lambda: sized(["a", "b"], num_labels=2)),
     ("input_too_long", lambda: sized(["abcdefghi"])),

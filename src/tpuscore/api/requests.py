@@ -98,7 +98,7 @@ def _at_least_one(instance: Any, attribute: attrs.Attribute, value: Any) -> None
 @attrs.frozen(kw_only=True)
 class RequestLimits:
     """How large one request may be: every dimension a caller controls, each bounded, each
-    checked on the request as sent (`tpuscore.api.validation.check_size`), before any
+    checked on the request as sent (`tpuscore.api.bounds.check_size`), before any
     tokenization or device work, so a refused request costs a pass over its lengths.
 
     A "length" is a text's characters or a token-id list's ids. A text encodes to at most about

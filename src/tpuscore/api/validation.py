@@ -17,12 +17,12 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import tokenization
+from tpuscore.api.bounds import check_text, is_token_id
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
 from tpuscore.api.requests import (
     TRUNCATE_SIDES,
     LoglikelihoodRequest,
-    RequestLimits,
     ScoreOptions,
     ScoreRequest,
 )
@@ -67,7 +67,7 @@ def _token_ids(value: Any, param: str, code: str, vocab_size: int) -> list[int]:
         return plain
     ids = []
     for j, t in enumerate(value):
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral):
+        if not is_token_id(t):
             raise ValidationError(
                 code, f"{param}[{j}] must be an int token id, got {short(t)}", param
             )
@@ -325,32 +325,6 @@ def _input_kind(
     return text
 
 
-def check_text(value: str, param: str) -> None:
-    """Raise `invalid_text` for a str that is not valid Unicode (a lone surrogate such as
-    "\\ud800", which JSON and Python strings can carry but UTF-8 cannot encode)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValidationError(
-            "invalid_text",
-            f"{param} is not valid Unicode text: {e.reason} {value[e.start : e.end]!r} at "
-            f"character {e.start}",
-            param,
-        ) from None
-
-
-def check_texts(values: Mapping[str, Any]) -> None:
-    """check_text on each named value that is a str, and on each str of a named list (named
-    `name[i]`); other values are left to their own checks."""
-    for name, value in values.items():
-        if isinstance(value, str):
-            check_text(value, name)
-        elif isinstance(value, list):
-            for i, text in enumerate(value):
-                if isinstance(text, str):
-                    check_text(text, f"{name}[{i}]")
-
-
 def _check_truncation(max_item_tokens: Any, truncate: Any) -> None:
     if max_item_tokens is not None and (
         isinstance(max_item_tokens, (bool, np.bool_))
@@ -477,88 +451,3 @@ def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any,
             what = where or "the request"
             raise ValidationError("invalid_argument", f"{what} has no {short(name)}", prefix + name)
     return request["query"], request["items"], options
-
-
-# -- request size -----------------------------------------------------------------------------
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _length(value: Any) -> int:
-    """A value's length as `RequestLimits` counts it: a text's characters, a list's entries (a
-    token-id list's ids); 0 for anything else, which validation refuses later."""
-    return len(value) if isinstance(value, (str, list, tuple, np.ndarray)) else 0
-
-
-def label_count(labels: Any, label_token_ids: Any) -> int:
-    """The labels a request names, as sent (0 for none: a classification model's classes)."""
-    lists = [v for v in (labels, label_token_ids) if isinstance(v, (list, tuple, np.ndarray))]
-    return max(map(len, lists), default=0)
-
-
-def check_size(
-    limits: RequestLimits,
-    *,
-    items: tuple[str, Any],
-    values: Mapping[str, Any],
-    num_labels: int = 0,
-) -> None:
-    """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
-
-    items is (its name on the wire, its list); values the request's other texts or token-id
-    lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
-    too_many_scores, input_too_long (one value), request_too_large (all of them together)."""
-    name, entries = items
-    entries = [entries] if isinstance(entries, str) else entries
-    count = len(entries) if isinstance(entries, (list, tuple)) else 0
-    # A malformed token-id list is refused as such (400) before a bound (413): one pass over
-    # what the body already holds.
-    for i, entry in enumerate(entries if count else ()):
-        if isinstance(entry, list) and not all(_is_token_id(t) for t in entry):
-            raise ValidationError(
-                "invalid_items", f"{name}[{i}] must hold token ids (ints)", f"{name}[{i}]"
-            )
-    if count > limits.max_items:
-        raise ValidationError(
-            "too_many_items",
-            f"{name} has {count} entries; this server takes at most {limits.max_items}",
-            name,
-        )
-    if num_labels > limits.max_labels:
-        raise ValidationError(
-            "too_many_labels",
-            f"the request names {num_labels} labels; this server takes at most "
-            f"{limits.max_labels} (a repeated label counts each time)",
-            "labels",
-        )
-    if count * num_labels > limits.max_scores:
-        raise ValidationError(
-            "too_many_scores",
-            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; this server "
-            f"answers at most {limits.max_scores} per request",
-            name,
-        )
-    total = 0
-    named = [(f"{name}[{i}]", e) for i, e in enumerate(entries)] if count else []
-    for param, value in [*values.items(), *named]:
-        texts = isinstance(value, list) and value and isinstance(value[0], str)  # labels
-        parts = [(f"{param}[{j}]", v) for j, v in enumerate(value)] if texts else [(param, value)]
-        for param, part in parts:  # noqa: PLW2901 (a part is named as its own param)
-            length = _length(part)
-            if length > limits.max_length:
-                raise ValidationError(
-                    "input_too_long",
-                    f"{param} has length {length} (characters of text, or token ids); this "
-                    f"server takes at most {limits.max_length}",
-                    param,
-                )
-            total += length
-    if total > limits.max_total_length:
-        raise ValidationError(
-            "request_too_large",
-            f"the request's texts and token ids have length {total} in all; this server takes "
-            f"at most {limits.max_total_length}",
-            None,
-        )

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, SkipValidation
 from starlette.responses import Response
 
-from tpuscore.api import tokenization, validation
+from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import guards
 from tpuscore.serving.protocol import DefaultOnly, WireRequest, default_only
@@ -136,7 +136,7 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list[list[int]], list[str | None]]
                 raise ValidationError(
                     "invalid_prompt", "this server's model has no tokenizer: give token ids", where
                 )
-            validation.check_text(p, where)
+            bounds.check_text(p, where)
             ids.append(tokenization.encode_query(tokenizer, p))
             texts.append(p)
         elif isinstance(p, list) and all(_is_id(t) for t in p):
@@ -219,7 +219,7 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     if isinstance(prompts, str) or (isinstance(prompts, list) and all(map(_is_id, prompts))):
         prompts = [prompts]
     # The request's size as sent, before anything tokenizes it (RequestLimits).
-    validation.check_size(service.limits, items=("prompt", prompts), values={})
+    bounds.check_size(service.limits, items=("prompt", prompts), values={})
     ids, texts = _prompts(body.prompt, scorer.tokenizer)
     work = asyncio.to_thread(scorer.prompt_logprobs, ids)
     scored = await guards.unless_disconnected(request.receive, work)

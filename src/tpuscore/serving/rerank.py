@@ -11,7 +11,7 @@ import attrs
 from fastapi import Request
 from starlette.responses import Response
 
-from tpuscore.api import tokenization, validation
+from tpuscore.api import bounds, tokenization
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import protocol
@@ -91,14 +91,14 @@ class RerankEndpoints:
         also cut to what fits beside the query (Cohere's v2 behaviour) instead of failing
         sequence_too_long."""
         docs = body.documents
-        validation.check_size(
+        bounds.check_size(
             self.limits,
             items=("documents", docs),
             values={"query": body.query, "instruction": body.instruction},
             num_labels=self.num_labels,
         )
         # Before anything tokenizes them (room_beside does, for v2).
-        validation.check_texts(
+        bounds.check_texts(
             {"query": body.query, "instruction": body.instruction, "documents": docs}
         )
         t = self.template

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.responses import Response
 
-from tpuscore.api import validation
+from tpuscore.api import bounds
 from tpuscore.serving import protocol
 from tpuscore.serving.dialects import JSONResponse
 
@@ -18,11 +18,11 @@ class SglangEndpoints:
         model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
         class) with apply_softmax, as SGLang scores SequenceClassification models."""
         items = [body.items] if isinstance(body.items, str) else body.items
-        validation.check_size(
+        bounds.check_size(
             self.limits,
             items=("items", items),
             values={"query": body.query, "labels": body.labels},
-            num_labels=validation.label_count(body.labels, body.label_token_ids),
+            num_labels=bounds.label_count(body.labels, body.label_token_ids),
         )
         result = await self.scored(
             request, query=body.query, items=items, **protocol.score_options(body)

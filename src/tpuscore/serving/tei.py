@@ -31,7 +31,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 from starlette.responses import Response
 
-from tpuscore.api import validation
+from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.results import ScoreResult
 from tpuscore.serving import dialects, protocol
@@ -168,13 +168,13 @@ async def rerank(service: Service, request: Request, body: TeiRerankRequest) -> 
     from tpuscore.serving.app import wire_names  # app imports this module
 
     texts = body.texts
-    validation.check_size(
+    bounds.check_size(
         service.limits,
         items=("texts", texts),
         values={"query": body.query},
         num_labels=service.num_labels,
     )
-    validation.check_texts({"query": body.query, "texts": texts})  # before anything tokenizes
+    bounds.check_texts({"query": body.query, "texts": texts})  # before anything tokenizes
     # Each distinct text is scored once: equal texts get equal scores, so TEI's tie order holds.
     distinct = list(dict.fromkeys(texts))
     t = service.template
@@ -243,8 +243,8 @@ async def tokenize(service: Service, body: TeiTokenizeRequest) -> Response:
     """TEI's tokenize: each input's tokens under the served model's tokenizer."""
     tokenizer = service.require_tokenizer("inputs")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    validation.check_size(service.limits, items=("inputs", inputs), values={"inputs": inputs})
-    validation.check_texts({"inputs": body.inputs})
+    bounds.check_size(service.limits, items=("inputs", inputs), values={"inputs": inputs})
+    bounds.check_texts({"inputs": body.inputs})
     response = TeiTokenizeResponse(
         [tokens_of(tokenizer, text, body.add_special_tokens) for text in inputs]
     )

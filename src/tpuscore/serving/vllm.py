@@ -12,7 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.responses import Response
 
-from tpuscore.api import validation
+from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import protocol
 from tpuscore.serving.dialects import JSONResponse
@@ -38,13 +38,13 @@ class VllmEndpoints:
         pairs = body.pairs()
         first, second = body.SIDES
         queries = [query for query, _ in pairs]
-        validation.check_size(
+        bounds.check_size(
             self.limits,
             items=(second, [doc for _, doc in pairs]),
             values={first: queries if len(set(queries)) > 1 else queries[:1]},
             num_labels=self.num_labels,
         )
-        validation.check_texts({side: getattr(body, side) for side in body.SIDES})
+        bounds.check_texts({side: getattr(body, side) for side in body.SIDES})
         by_query: dict[str, list[int]] = {}
         for i, query in enumerate(queries):
             by_query.setdefault(query, []).append(i)
@@ -108,8 +108,8 @@ class VllmEndpoints:
     async def tokenize(self, body: protocol.TokenizeRequest) -> Response:
         """vLLM's /tokenize: the prompt's token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("prompt")
-        validation.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
-        validation.check_text(body.prompt, "prompt")
+        bounds.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
+        bounds.check_text(body.prompt, "prompt")
         encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         response = protocol.TokenizeResponse(
             count=len(encoding.ids),
@@ -122,7 +122,7 @@ class VllmEndpoints:
     async def detokenize(self, body: protocol.DetokenizeRequest) -> Response:
         """vLLM's /detokenize: the text of token ids under the scorer's tokenizer."""
         tokenizer = self.require_tokenizer("tokens")
-        validation.check_size(self.limits, items=("tokens", []), values={"tokens": body.tokens})
+        bounds.check_size(self.limits, items=("tokens", []), values={"tokens": body.tokens})
         vocab_size = self.scorer.config.vocab_size
         for j, t in enumerate(body.tokens):
             if not 0 <= t < vocab_size:
