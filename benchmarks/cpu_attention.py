@@ -1,7 +1,7 @@
 """The fused CPU attention kernel against XLA's ops, on the embedded default model, in one run.
 
 prefill_extend's rows attend to their query's K/V either through the fused kernel
-(`kernels/cpu_attention`, x86-64 with AVX-512) or through XLA's ops (`decoder._prefix_parts`:
+(`kernels/cpu_attention`, x86-64 with AVX-512) or through XLA's ops (`attention._prefix_parts`:
 two matmuls with the masked softmax between them); the second variant sets
 `prefix_kernel` to None, as `TPUSCORE_CPU_KERNELS=off` does.
 
@@ -35,7 +35,6 @@ from tpuscore.backends.buckets import bucket_prefix
 from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.engine import compilation_cache
 from tpuscore.kernels import cpu_attention
-from tpuscore.models import decoder
 
 
 def seconds(fn: Callable[[], object]) -> float:
@@ -75,12 +74,12 @@ def main() -> None:
     q = jnp.asarray(rng.standard_normal((128, 20, N, H)), jnp.float32)
 
     def attention(fused: bool, P: int) -> Callable:
-        layer = decoder.LayerAttention(window=None, scale=H**-0.5, softcap=None)
+        layer = attention.LayerAttention(window=None, scale=H**-0.5, softcap=None)
         blocks = prefill_extend.key_blocks(P)
         if fused:
             return jax.jit(lambda q, k, v, n: cpu_attention.prefix_attention(q, k, v, n, H**-0.5))
         return jax.jit(
-            lambda q, k, v, n: decoder._prefix_parts(
+            lambda q, k, v, n: attention._prefix_parts(
                 q, k, v, jnp.arange(P) < n, layer, jnp.arange(20), blocks, n
             )
         )

@@ -1,5 +1,5 @@
 """The fused CPU attention kernel (kernels/cpu_attention): rows attending to one shared prefix,
-against its jnp reference `decoder._prefix_parts` on fresh random inputs, batch invariance in
+against its jnp reference `attention._prefix_parts` on fresh random inputs, batch invariance in
 bits, the keys it reads, and prefill_extend running it. It needs an x86-64 CPU with AVX-512F and
 a C++ compiler; elsewhere the package runs XLA's ops instead and these tests skip. Where the
 platform can run it, a kernel that does not build or load fails them: in CI, and on any x86-64
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from helpers import run_seed
 from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.kernels import cpu_attention
-from tpuscore.models import decoder
+from tpuscore.models import attention, decoder
 
 
 def _cpu_flags() -> set[str]:
@@ -93,8 +93,8 @@ kernel = jax.jit(cpu_attention.prefix_attention, static_argnames="scale")
 
 @functools.partial(jax.jit, static_argnames="scale")
 def reference(q, k, v, length, scale):
-    layer = decoder.LayerAttention(window=None, scale=scale, softcap=None)
-    return decoder._prefix_parts(q, k, v, jnp.arange(k.shape[-1]) < length, layer)
+    layer = attention.LayerAttention(window=None, scale=scale, softcap=None)
+    return attention._prefix_parts(q, k, v, jnp.arange(k.shape[-1]) < length, layer)
 
 
 @needs_kernel
@@ -110,7 +110,7 @@ def reference(q, k, v, length, scale):
 )
 def test_matches_the_jnp_reference(data, B, T, K, G, H, P):
     """Against the exact result (numpy, float64), the kernel and XLA's ops
-    (`decoder._prefix_parts`) are both within 1e-5 (relative, or absolute below 1) in the
+    (`attention._prefix_parts`) are both within 1e-5 (relative, or absolute below 1) in the
     outputs, the max and the exp sum: float32 rounding over dot products of up to 128 terms and
     sums of up to 300 keys, in other orders (the kernel scales q before q.k, XLA the scores
     after), reaches about 4e-6 in either."""
@@ -159,7 +159,7 @@ def _exact(q, k, v, length, scale):
 @needs_kernel
 def test_no_key_gives_an_empty_part(rng):
     """Length 0: what `_masked_exp` gives a fully masked row (o 0, max finfo.min, sum 0), which
-    `decoder._merge_parts` weighs as nothing."""
+    `attention._merge_parts` weighs as nothing."""
     q, k, v = _inputs(rng, 1, 5, 2, 2, 16, 32)
     o, m, total = kernel(q, k, v, jnp.int32(0), scale=0.25)
     assert not np.asarray(o).any() and not np.asarray(total).any()

@@ -25,7 +25,7 @@ from helpers import run_seed
 from tpuscore.api import processes
 from tpuscore.kernels import cpu_attention
 from tpuscore.kernels.cpu_attention import library
-from tpuscore.models import decoder
+from tpuscore.models import attention
 
 STAND_IN = """
 extern "C" int tpuscore_cpu_supported() { return 1; }
@@ -211,8 +211,8 @@ kernel = jax.jit(cpu_attention.prefix_attention, static_argnames="scale")
 
 @functools.partial(jax.jit, static_argnames="scale")
 def reference(q, k, v, length, scale):
-    layer = decoder.LayerAttention(window=None, scale=scale, softcap=None)
-    return decoder._prefix_parts(q, k, v, jnp.arange(k.shape[-1]) < length, layer)
+    layer = attention.LayerAttention(window=None, scale=scale, softcap=None)
+    return attention._prefix_parts(q, k, v, jnp.arange(k.shape[-1]) < length, layer)
 
 
 GEOMETRIES = [(7, 2, 2, 16, 40), (3, 1, 3, 64, 33)]  # T, K, G, H, P: two compiles each
@@ -223,7 +223,7 @@ GEOMETRIES = [(7, 2, 2, 16, 40), (3, 1, 3, 64, 33)]  # T, K, G, H, P: two compil
 @given(data=st.data(), geometry=st.sampled_from(GEOMETRIES))
 def test_non_finite_inputs_give_what_xla_gives(data, geometry):
     """NaN, inf and -inf put in q, and in k and v before `length`: the kernel's o, max and exp
-    sum are NaN, inf or -inf where XLA's ops (`decoder._prefix_parts`) give them, and equal
+    sum are NaN, inf or -inf where XLA's ops (`attention._prefix_parts`) give them, and equal
     within float32 rounding elsewhere. (Its max skipped NaN and its exp turned NaN into
     exp(-87): a NaN'd model scored finite.)"""
     T, K, G, H, P = geometry

@@ -23,6 +23,7 @@ from hf_reference import MODEL_VOCAB_SIZE, make_checkpoint, model_logprobs
 from tpuscore.api.errors import ValidationError
 from tpuscore.models import decoder
 from tpuscore.models.adapters import RowAdapters, load_adapter, stack_adapters
+from tpuscore.models.attention import attend, within_window
 from tpuscore.models.loaders import load
 
 # name -> peft LoraConfig kwargs: different ranks, alphas, scalings and targets.
@@ -95,8 +96,8 @@ def _score(params, tokens, lengths, label_ids, config, adapters=None):
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
     def attention(q, k, v, layer):
-        window = decoder.within_window(positions, positions, layer.window)
-        return decoder.attend(q, k, v, causal & window, layer)
+        window = within_window(positions, positions, layer.window)
+        return attend(q, k, v, causal & window, layer)
 
     hidden = decoder.forward(params, config, tokens, positions, attention, adapters)
     last = hidden[jnp.arange(B), lengths - 1]

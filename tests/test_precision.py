@@ -16,6 +16,7 @@ from helpers import random_tokens, seeded_rng
 from hf_reference import make_checkpoint
 from tpuscore import Scorer, backends
 from tpuscore.models import decoder
+from tpuscore.models.attention import attend
 from tpuscore.models.model import MIXED_BFLOAT16, resolve_precision
 
 CASES = ("llama_gqa_untied", "qwen3_qknorm")
@@ -88,7 +89,7 @@ def test_mixed_step_never_widens_the_weight_stack(pair):
     tokens = jnp.zeros((1, 16), jnp.int32)
     positions = jnp.arange(16)[None]
     causal = jnp.tril(jnp.ones((1, 16, 16), bool))
-    attention = lambda q, k, v, layer: decoder.attend(q, k, v, causal, layer)  # noqa: E731
+    attention = lambda q, k, v, layer: attend(q, k, v, causal, layer)  # noqa: E731
     step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention))
     hlo = step.lower(model.params, tokens, positions).compile().as_text()
     for name in MIXED_BFLOAT16:

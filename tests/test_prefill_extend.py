@@ -13,7 +13,7 @@ from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
 from tpuscore.backends.prefill_extend import steps as prefill_extend
 from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
-from tpuscore.models import decoder
+from tpuscore.models import attention, decoder
 
 ATOL = 1e-4  # float32
 
@@ -141,10 +141,10 @@ def test_skipped_key_blocks_are_never_read(rng):
     prefix_k = rng.standard_normal((K, H, P)).astype(np.float32)
     prefix_v = rng.standard_normal((K, P, H)).astype(np.float32)
     prefix_mask = jnp.arange(P) < length
-    whole = decoder._merge(decoder._prefix_parts(q, prefix_k, prefix_v, prefix_mask))
+    whole = attention._merge(attention._prefix_parts(q, prefix_k, prefix_v, prefix_mask))
     prefix_k[..., 48:], prefix_v[:, 48:] = np.nan, np.nan
-    blocks = decoder._merge(
-        decoder._prefix_parts(
+    blocks = attention._merge(
+        attention._prefix_parts(
             q, prefix_k, prefix_v, prefix_mask, key_blocks=4, length=jnp.asarray(length)
         )
     )

@@ -11,7 +11,7 @@ from tpuscore.backends.packed.backend import (
 from tpuscore.backends.prefill_extend.steps import key_blocks, keys_read
 from tpuscore.engine import shapes
 from tpuscore.engine.planning import FixedRule
-from tpuscore.models.decoder import score_block_tokens
+from tpuscore.models.attention import score_block_tokens
 from tpuscore.models.model import Model
 from tpuscore.parallel.sharding import ONE_DEVICE
 

@@ -32,6 +32,7 @@ from tpuscore.backends.contract import (
     step_table,
 )
 from tpuscore.models import decoder
+from tpuscore.models.attention import attend, within_window
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
 from tpuscore.models.weights import Params
@@ -75,8 +76,8 @@ def score_sequences(
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
     def attention(q, k, v, layer):
-        window = decoder.within_window(positions, positions, layer.window)
-        return decoder.attend(q, k, v, causal & window, layer)
+        window = within_window(positions, positions, layer.window)
+        return attend(q, k, v, causal & window, layer)
 
     hidden = decoder.forward(params, config, tokens, positions, attention)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]

@@ -13,6 +13,7 @@ from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.mask import segment_mask
 from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models import decoder
+from tpuscore.models.attention import NO_WINDOW, attend, within_window
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
@@ -48,8 +49,8 @@ def score_packed(
         mask = segment_mask(prefix_len, seg_start, T)
 
         def attention(q, k, v, layer):
-            window = decoder.within_window(positions, positions, layer.window)
-            return decoder.attend(q, k, v, mask & window, layer)
+            window = within_window(positions, positions, layer.window)
+            return attend(q, k, v, mask & window, layer)
 
     else:
 
@@ -62,7 +63,7 @@ def score_packed(
                 block_sizes=block_sizes,
                 interpret=interpret,
             )
-            window = jnp.int32(decoder.NO_WINDOW) if layer.window is None else layer.window
+            window = jnp.int32(NO_WINDOW) if layer.window is None else layer.window
             o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
             return o.swapaxes(1, 2)
 

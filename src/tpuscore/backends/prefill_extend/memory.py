@@ -15,7 +15,7 @@ def extend_batch_rows(
 
     Per item token, in float32: activations, and scores and exp weights against its own item.
     Scores against a prefix shared by the whole step go through fixed-size blocks
-    (`decoder.score_block_tokens`). With a prefix per row (rows of different queries, stacked and
+    (`attention.score_block_tokens`). With a prefix per row (rows of different queries, stacked and
     padded to `row_prefix_len` positions), each row also holds its own copy of that prefix's K/V,
     and its scores against it are not blocked."""
     per_token = extend_row_bytes(config, item_len, row_prefix_len) // item_len

@@ -2,7 +2,7 @@
 to one shared prefix's K/V, float32: the query-side half of prefill_extend's steps, which XLA:CPU
 otherwise runs as two matmuls with the softmax's passes over the scores in memory between them
 (docs/benchmarks.md, "A fused CPU kernel for the attention to the query"). `library.py` builds
-and registers it; `decoder._prefix_parts` is its jnp reference."""
+and registers it; `attention._prefix_parts` is its jnp reference."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def prefix_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """Attention of q [B,T,N,H] to the first `length` keys of one prefix, k [K,H,P], v [K,P,H],
     scores scaled by `scale`, unnormalized: o [B,T,K,G,H], max and exp sum [B,T,K,G,1], as
-    `decoder._prefix_parts` (no window, no soft-cap) returns them. None where the kernel does
+    `attention._prefix_parts` (no window, no soft-cap) returns them. None where the kernel does
     not apply (not float32, or not `available()`): the caller runs its own ops."""
     B, T, N, H = q.shape
     K = k.shape[0]

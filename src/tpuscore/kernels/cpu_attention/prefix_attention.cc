@@ -6,7 +6,7 @@
 // computes its scores into a buffer that stays in L2, takes the max, exp and sum in one sweep per
 // row while the row is in L1, and multiplies by V in key blocks small enough for L1; only the
 // prefix keys before `length` enter the result (K is loaded to the next multiple of 32, masked;
-// V to `length`). Output is unnormalized, as `decoder._prefix_parts` returns it: o (the
+// V to `length`). Output is unnormalized, as `attention._prefix_parts` returns it: o (the
 // exp-weighted sum of values), the row's max score m and exp sum l, which the caller merges with
 // the rows' own keys through their log-sum-exp.
 //
