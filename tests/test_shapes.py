@@ -186,7 +186,8 @@ def test_limits_shrink_with_the_lattice(small_steps):
 
 
 def test_serve_warmup_limits_parse():
-    from tpuscore.cli.commands import InputError, parse_limits
+    from tpuscore.cli.common import InputError
+    from tpuscore.cli.serve import parse_limits
 
     assert parse_limits("query_tokens=512, labels=2") == {"query_tokens": 512, "labels": 2}
     assert parse_limits(None) == {}

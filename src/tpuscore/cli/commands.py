@@ -45,18 +45,15 @@ import numpy as np
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
-from tpuscore.cli import cache
-
-USAGE_ERROR = 2  # bad input or arguments, as argparse exits
-ENVIRONMENT_ERROR = 1  # what the command needs is not installed
-
-
-class InputError(Exception):
-    """Bad input from the user: reported as one line on stderr, exit status 2."""
-
-
-class EnvironmentProblem(Exception):
-    """Something the command needs is missing: one line on stderr, exit status 1."""
+from tpuscore.cli import cache, job, serve
+from tpuscore.cli.common import (
+    ENVIRONMENT_ERROR,
+    USAGE_ERROR,
+    EnvironmentProblem,
+    InputError,
+    load_scorer,
+    validation_message,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,118 +147,14 @@ def _parser() -> argparse.ArgumentParser:
             "input", nargs="?", default="-", help="JSON or JSON Lines file; default or '-': stdin"
         )
 
-    p = command("serve", _run_serve, "serve SGLang's /v1/score and the rerank API over HTTP")
-    add = p.add_argument
-    add("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
-    add("--port", type=int, default=8000)
-    add("--served-model-name", help="the name /v1/models lists and responses carry")
-    add(
-        "--rerank-template",
-        default="plain",
-        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
+    serve.add_arguments(
+        command("serve", serve.run, "serve SGLang's /v1/score and the rerank API over HTTP")
     )
-    add(
-        "--score-calibration",
-        metavar="PATH",
-        help="a tpuscore fit-calibration file: results also carry calibrated probabilities",
-    )
-    add("--max-body-bytes", type=int, default=16 << 20, help="largest request body (16 MiB)")
-    add_request_limits(p)
-    add(
-        "--max-wait-ms",
-        type=float,
-        default=2.0,
-        help="how long the batcher waits for more requests before it runs a batch",
-    )
-    add("--max-batch-tokens", type=int, help="the batcher's token budget per batch")
-    add(
-        "--max-pending",
-        type=int,
-        help="unfinished requests (queued or running) beyond which the server answers 503",
-    )
-    add(
-        "--request-timeout",
-        type=float,
-        help="seconds a request may wait for its answer (default: no limit); past it the "
-        "server answers 504 without scoring it. A client's X-Request-Timeout header may "
-        "shorten it",
-    )
-    add(
-        "--warmup",
-        choices=("none", "all"),
-        default="none",
-        help="all: compile the scorer's whole shape set before serving (Scorer.warmup(all=True)), "
-        "so no request within --warmup-limits compiles; none (default): compile on first use",
-    )
-    add(
-        "--warmup-limits",
-        help="the requests --warmup all covers, as query_tokens=N,item_tokens=N,labels=N (any of "
-        "them; default the model's context length and 16 labels); smaller limits, fewer shapes",
-    )
-    add(
-        "--allowed-hosts",
-        help="comma-separated Host names the server answers, or '*' for any (default: the "
-        "loopback names for a loopback --host, any otherwise)",
-    )
-    add(
-        "--timeout-keep-alive",
-        type=float,
-        default=75.0,
-        help="seconds an idle HTTP connection stays open (default 75: longer than the 60 s "
-        "idle timeout of common load balancers, so none reuses a connection being closed)",
-    )
-    add(
-        "--replicas",
-        type=int,
-        help="serve N replicas of the model on Ray Serve (the ray extra), behind one endpoint "
-        "that routes requests by query so each replica's prefix cache keeps serving; default: "
-        "one process, no Ray (docs/serving.md, Serving at scale)",
-    )
-    add(
-        "--max-replicas",
-        type=int,
-        help="with --replicas N: autoscale between N and this many replicas on ongoing requests",
-    )
-    add(
-        "--metrics-names",
-        choices=("tpuscore", "vllm", "both"),
-        default="tpuscore",
-        help="GET /metrics' series: tpuscore's own (default), vLLM's names (vllm:...) for the "
-        "dashboards and autoscalers that read them, or both",
-    )
-
-    p = command(
-        "job",
-        _run_job,
+    help = (
         "score a Parquet, JSON Lines or CSV table of pairs or requests into a table of scores, "
-        "resuming after a crash (docs/jobs.md)",
+        "resuming after a crash (docs/jobs.md)"
     )
-    add = p.add_argument
-    add("input", help="the table: a .parquet, .jsonl or .csv path or fsspec URL")
-    add("--output", required=True, help="the scores: a .parquet (default) or .jsonl directory")
-    add("--query-column", default="query", help="default: query")
-    add(
-        "--item-column",
-        help="one item per row (pair rows) or a list of items (request rows); default: item, "
-        "else items",
-    )
-    add("--id-columns", default="", help="comma-separated columns carried to the output")
-    add("--labels", nargs="+", metavar="LABEL", help='e.g. " yes" " no"; default: per row')
-    add("--label-token-ids", nargs="+", type=int, metavar="ID", help="the labels as token ids")
-    add("--template", help="a prompt template, as rank takes it (plain, qwen3-reranker)")
-    add("--instruction", help="the template's instruction")
-    add("--max-item-tokens", type=int, help="truncate each item to this many tokens")
-    add("--truncate", choices=["right", "left"], help="which end of an item to keep")
-    add(
-        "--on-error",
-        choices=["skip", "fail"],
-        default="skip",
-        help="skip (default): write a bad row to OUTPUT.errors.jsonl and go on; fail: stop",
-    )
-    add("--shard-rows", type=int, default=4096, help="input rows per shard (default 4096)")
-    add("--overwrite", action="store_true", help="start again instead of resuming OUTPUT")
-    add("--progress", action="store_true", help="a progress bar even when stderr is no terminal")
-    add("--quiet", action="store_true", help="no progress bar and no summary line")
+    job.add_arguments(command("job", job.run, help))
 
     p = command(
         "bench",
@@ -354,52 +247,6 @@ def _read_input(path: str) -> tuple[str, str]:
         raise InputError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def load_scorer(args: argparse.Namespace):
-    """The Scorer for --model/--dtype/--backend/--mesh/--profile/--batch-invariant; a model or
-    profile that cannot be loaded, or a backend the mode refuses, is bad input."""
-    from tpuscore import Scorer, ValidationError
-    from tpuscore.engine import compilation_cache
-
-    mesh = parse_mesh(args.mesh)
-    try:
-        return Scorer.from_pretrained(
-            args.model,
-            dtype=args.dtype,
-            backend=args.backend,
-            mesh=mesh,
-            profile=args.profile,
-            compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
-            batch_invariant=args.batch_invariant,
-            score_calibration=getattr(args, "score_calibration", None),
-        )
-    except ValidationError as e:
-        flag = f"--backend {args.backend}"
-        if e.param == "score_calibration":  # a calibration file refused for this model
-            flag = "--score-calibration"
-        raise InputError(f"{flag}: {e}") from None
-    except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
-        name = "the default model" if args.model is None else repr(args.model)
-        raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
-
-
-def parse_mesh(text: str | None):
-    """A "DATAxMODEL" mesh over the first DATA*MODEL devices, or None."""
-    if text is None:
-        return None
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    try:
-        data, model = (int(n) for n in text.lower().split("x"))
-    except ValueError:
-        raise InputError(f"--mesh must be DATAxMODEL, such as 2x4, got {text!r}") from None
-    devices = jax.devices()
-    if data < 1 or model < 1 or data * model > len(devices):
-        raise InputError(f"--mesh {text} needs {data * model} devices; there are {len(devices)}")
-    return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
-
-
 def _run_requests(args: argparse.Namespace) -> int:
     text, source = _read_input(args.input)
     requests, shape = read_requests(text, source)  # before the model loads: fail fast
@@ -425,7 +272,7 @@ def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
     try:
         results = scorer.run(prepared)
     except ValidationError as e:  # a backend that cannot run these requests
-        raise InputError(_validation_message(e)) from None
+        raise InputError(validation_message(e)) from None
     return [
         {
             "scores": r.scores.tolist(),
@@ -484,11 +331,7 @@ def _call(request: Request, method: Callable[..., Any], accepted: Sequence[str],
                 raise ValidationError("invalid_argument", f"the request has no {name!r}", name)
         return method(**request.fields)
     except ValidationError as e:
-        raise InputError(f"{request.where}: {_validation_message(e)}") from None
-
-
-def _validation_message(e: Exception) -> str:
-    return f"{e} [code {getattr(e, 'code', None)}, param {getattr(e, 'param', None)}]"
+        raise InputError(f"{request.where}: {validation_message(e)}") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -512,265 +355,6 @@ def _dumps(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # serve, bench
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    try:
-        from tpuscore.serving import app as server
-    except ImportError as e:
-        raise EnvironmentProblem(
-            f"tpuscore serve needs the server extra ({e.name} is missing): "
-            "pip install -e '.[server]'"
-        ) from None
-    if not 0 <= args.port <= 65535:
-        raise InputError(f"--port {args.port} is not a port number (0..65535)")
-    if not args.timeout_keep_alive > 0:
-        raise InputError(f"--timeout-keep-alive {args.timeout_keep_alive} must be > 0 seconds")
-    check_port_free(args.host, args.port)  # before the model loads: fail in a second, not 15
-    if args.replicas is not None or args.max_replicas is not None:
-        return _run_serve_replicas(args, server)
-    limits = parse_limits(args.warmup_limits)
-    request_bounds = request_limits(args)  # before the model loads, as the port check
-    scorer = load_scorer(args)
-    if args.warmup == "all":
-        warm_shape_set(scorer, limits)
-    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
-    if args.max_pending is not None:
-        batcher_options["max_pending"] = args.max_pending
-    if args.request_timeout is not None:
-        batcher_options["request_timeout_s"] = args.request_timeout
-    allowed_hosts = None  # the loopback names and the address itself on a loopback address
-    if args.allowed_hosts is not None:
-        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
-    try:
-        app = server.create_app(
-            scorer,
-            model_name=args.served_model_name or server.model_name(args.model),
-            rerank_template=args.rerank_template,
-            max_body_bytes=args.max_body_bytes,
-            limits=request_bounds,
-            batcher_options=batcher_options,
-            allowed_hosts=allowed_hosts,
-            metrics_names=args.metrics_names,
-        )
-    except ValueError as e:  # a bad flag value: template name, limits
-        raise InputError(str(e)) from None
-    print(
-        f"tpuscore: serving {app.state.service.model_name} on http://{args.host}:{args.port} "
-        "(POST /v1/score /v1/rerank /v2/rerank, GET /health /v1/models /metrics)",
-        file=sys.stderr,
-    )
-    server.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_keep_alive=args.timeout_keep_alive,
-    )
-    return 0
-
-
-def _run_serve_replicas(args: argparse.Namespace, server) -> int:
-    """`tpuscore serve --replicas N`: the same app on N Ray Serve replicas behind a gateway
-    (`tpuscore.integrations.ray_serve`), on the Ray cluster at RAY_ADDRESS or a local one."""
-    if args.replicas is None or args.replicas < 1:
-        raise InputError(f"--replicas must be an int >= 1, got {args.replicas}")
-    if args.max_replicas is not None and args.max_replicas < args.replicas:
-        raise InputError(f"--max-replicas {args.max_replicas} is below --replicas {args.replicas}")
-    for flag in ("mesh", "warmup_limits"):
-        if getattr(args, flag) is not None:
-            raise InputError(f"--{flag.replace('_', '-')} is not supported with --replicas")
-    if args.warmup != "none":
-        raise InputError("--warmup all is not supported with --replicas")
-    try:
-        import ray
-        from ray import serve
-
-        from tpuscore.integrations import ray_serve
-    except ImportError as e:
-        raise EnvironmentProblem(
-            f"--replicas needs the ray extra ({e.name} is missing): pip install -e '.[ray]'"
-        ) from None
-    from tpuscore.engine import compilation_cache
-
-    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
-    if args.max_pending is not None:
-        batcher_options["max_pending"] = args.max_pending
-    if args.request_timeout is not None:
-        batcher_options["request_timeout_s"] = args.request_timeout
-    if args.allowed_hosts is None:  # each replica's app checks the Host the gateway passes on
-        allowed_hosts = server.guards.default_allowed_hosts(args.host)
-    else:
-        allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
-    cache = compilation_cache.command_dir(args.no_compilation_cache)  # each replica's too
-    app = ray_serve.build_app(
-        args.model,
-        num_replicas=args.replicas,
-        max_replicas=args.max_replicas,
-        scorer_options={
-            "dtype": args.dtype,
-            "backend": args.backend,
-            "profile": args.profile,
-            "batch_invariant": args.batch_invariant,
-            "compilation_cache_dir": cache,
-        },
-        app_options={
-            "model_name": args.served_model_name or server.model_name(args.model),
-            "rerank_template": args.rerank_template,
-            "max_body_bytes": args.max_body_bytes,
-            "max_items": args.max_items,
-            "batcher_options": batcher_options,
-            "metrics_names": args.metrics_names,
-            "allowed_hosts": allowed_hosts,
-        },
-    )
-    ray.init(address=os.environ.get("RAY_ADDRESS"))
-    serve.start(
-        http_options={
-            "host": args.host,
-            "port": args.port,
-            "keep_alive_timeout_s": int(args.timeout_keep_alive),
-        }
-    )
-    print(
-        f"tpuscore: serving {args.replicas} replicas on http://{args.host}:{args.port} "
-        "(Ray Serve; requests routed by query)",
-        file=sys.stderr,
-    )
-    serve.run(app, name="tpuscore", route_prefix="/", blocking=True)
-    return 0
-
-
-def add_request_limits(parser: argparse.ArgumentParser) -> None:
-    """A flag per `RequestLimits` field (--max-items, --max-labels, ...), its default and help
-    from the declaration."""
-    from tpuscore.api.requests import RequestLimits, attribute_docs
-
-    docs = attribute_docs(RequestLimits)
-    for field in attrs.fields(RequestLimits):
-        parser.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=int,
-            default=field.default,
-            help=f"{docs[field.name]} (default {field.default})",
-        )
-
-
-def request_limits(args: argparse.Namespace):
-    """The `RequestLimits` the flags give; InputError for a value below 1."""
-    from tpuscore.api.requests import RequestLimits
-
-    try:
-        return RequestLimits(**{name: getattr(args, name) for name in RequestLimits.names()})
-    except ValueError as e:
-        raise InputError(f"--{str(e).replace('_', '-')}") from None
-
-
-def parse_limits(text: str | None) -> dict[str, int]:
-    """--warmup-limits "query_tokens=512,labels=2" as a mapping; InputError if malformed."""
-    limits = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        name, _, value = part.partition("=")
-        if not value.strip().isdigit():
-            raise InputError(f"--warmup-limits: {part!r} is not NAME=INT")
-        limits[name.strip()] = int(value)
-    return limits
-
-
-def warm_shape_set(scorer, limits: dict[str, int]) -> None:
-    """Compile the scorer's shape set within `limits`, saying how many and how long."""
-    from tpuscore import ValidationError
-
-    try:
-        count = len(scorer.shapes(limits))
-        print(f"tpuscore: compiling {count} step shapes (--warmup all)", file=sys.stderr)
-        warmed = scorer.warmup(all=True, limits=limits)
-    except ValidationError as e:
-        raise InputError(f"--warmup-limits: {e}") from None
-    seconds = sum(w.seconds for w in warmed)
-    print(f"tpuscore: compiled {count} step shapes in {seconds:.1f} s", file=sys.stderr)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """EnvironmentProblem if `port` on `host` cannot be bound (taken, or not this machine's)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise EnvironmentProblem(
-                f"cannot serve on {host}:{port}: {e.strerror or e}; choose another --port "
-                "(or stop what holds it)"
-            ) from None
-
-
-def _run_job(args: argparse.Namespace) -> int:
-    """`tpuscore job`: checks the table and settings, loads the model, runs `score_table`."""
-    try:
-        from tpuscore import ValidationError, jobs
-    except ImportError as e:
-        raise EnvironmentProblem(
-            f"tpuscore job needs the jobs extra ({e.name} is missing): pip install -e '.[jobs]'"
-        ) from None
-    from tpuscore.engine import compilation_cache
-
-    settings = {
-        "query_column": args.query_column,
-        "item_column": args.item_column,
-        "id_columns": [c.strip() for c in args.id_columns.split(",") if c.strip()],
-        "labels": args.labels,
-        "label_token_ids": args.label_token_ids,
-        "template": args.template,
-        "instruction": args.instruction,
-        "max_item_tokens": args.max_item_tokens,
-        "truncate": args.truncate,
-    }
-    backend = None if args.backend == "auto" else args.backend
-    try:
-        jobs.Spec(**settings).layout(jobs.open_table(args.input).schema)  # before the model loads
-        try:
-            scorer = jobs.load_scorer(
-                args.model,
-                dtype=args.dtype,
-                mesh=parse_mesh(args.mesh),
-                profile=args.profile,
-                compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
-                batch_invariant=args.batch_invariant,
-            )
-        except (ValidationError, InputError):
-            raise
-        except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
-            name = "the default model" if args.model is None else repr(args.model)
-            raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
-        summary = jobs.score_table(
-            args.input,
-            args.output,
-            scorer=scorer,
-            model=args.model,
-            backend=backend,
-            on_error=args.on_error,
-            shard_rows=args.shard_rows,
-            overwrite=args.overwrite,
-            show_progress=not args.quiet and (args.progress or sys.stderr.isatty()),
-            **settings,
-        )
-    except ValidationError as e:
-        raise InputError(_validation_message(e)) from None
-    except (jobs.TableError, jobs.RowFailed) as e:
-        raise InputError(str(e)) from None
-    except KeyboardInterrupt:
-        print(
-            "tpuscore job: interrupted; the committed shards stay: run the same command again "
-            "to resume",
-            file=sys.stderr,
-        )
-        raise
-    if not args.quiet:
-        print(summary.line(), file=sys.stderr)
-    return 0
 
 
 def _run_cache(args: argparse.Namespace) -> int:

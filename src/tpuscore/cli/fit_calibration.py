@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_rows(path: str, columns: list[str]) -> list[list[Any]]:
     """The columns of every row of a JSON Lines or Parquet file."""
-    from tpuscore.cli.commands import EnvironmentProblem, InputError
+    from tpuscore.cli.common import EnvironmentProblem, InputError
 
     if path.endswith(".parquet"):
         try:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from tpuscore.api import calibration, templates
     from tpuscore.api.errors import ValidationError
     from tpuscore.api.requests import ScoreOptions
-    from tpuscore.cli.commands import InputError, load_scorer
+    from tpuscore.cli.common import InputError, load_scorer
     from tpuscore.tasks import calibrated
 
     columns = [args.query_column, args.item_column, args.label_column]
