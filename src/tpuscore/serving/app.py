@@ -51,7 +51,7 @@ from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
-from tpuscore.serving import completions, dialects, guards, protocol, tei
+from tpuscore.serving import completions, dialects, guards, responses, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
 from tpuscore.serving.body import JsonBodyRoute
 from tpuscore.serving.dialects import JSONResponse
@@ -172,11 +172,11 @@ def create_app(
     app.state.service = service
 
     scoring = [  # (path, handler, response model): POST, the body a JSON object
-        ("/v1/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
-        ("/score", service.score_any, protocol.ScoreResponse | protocol.VllmScoreResponse),
-        ("/detokenize", service.detokenize, protocol.DetokenizeResponse),
-        ("/v1/rerank", service.rerank_v1, protocol.RerankResponse),
-        ("/v2/rerank", service.rerank_v2, protocol.RerankV2Response),
+        ("/v1/score", service.score_any, responses.ScoreResponse | responses.VllmScoreResponse),
+        ("/score", service.score_any, responses.ScoreResponse | responses.VllmScoreResponse),
+        ("/detokenize", service.detokenize, responses.DetokenizeResponse),
+        ("/v1/rerank", service.rerank_v1, responses.RerankResponse),
+        ("/v2/rerank", service.rerank_v2, responses.RerankV2Response),
         *tei.routes(service),  # /rerank and /tokenize: TEI's bodies beside the others
     ]
     for path, handler, model in scoring:
@@ -190,9 +190,9 @@ def create_app(
             ),
             route_class_override=JsonBodyRoute,
         )
-    app.add_api_route("/health", service.health, methods=["GET"], response_model=protocol.Health)
+    app.add_api_route("/health", service.health, methods=["GET"], response_model=responses.Health)
     app.add_api_route(
-        "/v1/models", service.models, methods=["GET"], response_model=protocol.ModelList
+        "/v1/models", service.models, methods=["GET"], response_model=responses.ModelList
     )
     app.add_api_route(
         "/metrics", service.prometheus, methods=["GET"], response_class=PlainTextResponse

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from tpuscore.api import bounds, tokenization
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
-from tpuscore.serving import protocol
+from tpuscore.serving import protocol, responses
 from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.errors import wire_names
 from tpuscore.tasks import chunking as chunked
@@ -33,21 +33,21 @@ class RerankEndpoints:
         ranked, result = await self.rerank(request, body)
         self.metrics.scored(request.url.path, len(body.documents), result)
         results = [
-            protocol.RerankResult(
+            responses.RerankResult(
                 index=r.index,
                 relevance_score=float(r.score),
-                calibrated_score=protocol.calibrated(result, r.index),
-                chunk=protocol.RerankChunk.of(r),
-                document=protocol.RerankDocument.of(body.originals[r.index])
+                calibrated_score=responses.calibrated(result, r.index),
+                chunk=responses.RerankChunk.of(r),
+                document=responses.RerankDocument.of(body.originals[r.index])
                 if body.return_documents
                 else None,
             )
             for r in ranked
         ]
-        usage = protocol.RerankUsage(
+        usage = responses.RerankUsage(
             prompt_tokens=result.num_tokens, total_tokens=result.num_tokens
         )
-        response = protocol.RerankResponse(
+        response = responses.RerankResponse(
             id=f"rerank-{uuid.uuid4().hex}", model=self.model_name, usage=usage, results=results
         )
         return JSONResponse(response.model_dump(exclude_none=True))  # no document: no key
@@ -56,20 +56,20 @@ class RerankEndpoints:
         """Documents sorted by relevance to the query, highest first (Cohere v2)."""
         ranked, result = await self.rerank(request, body, fit=True)
         self.metrics.scored(request.url.path, len(body.documents), result)
-        tokens = protocol.BilledUnits(input_tokens=result.num_tokens)
-        response = protocol.RerankV2Response(
+        tokens = responses.BilledUnits(input_tokens=result.num_tokens)
+        response = responses.RerankV2Response(
             id=str(uuid.uuid4()),
             results=[
-                protocol.RerankV2Result(
+                responses.RerankV2Result(
                     index=r.index,
                     relevance_score=float(r.score),
-                    calibrated_score=protocol.calibrated(result, r.index),
-                    chunk=protocol.RerankChunk.of(r),
+                    calibrated_score=responses.calibrated(result, r.index),
+                    chunk=responses.RerankChunk.of(r),
                 )
                 for r in ranked
             ],
-            meta=protocol.RerankV2Meta(
-                api_version=protocol.ApiVersion(), billed_units=tokens, tokens=tokens
+            meta=responses.RerankV2Meta(
+                api_version=responses.ApiVersion(), billed_units=tokens, tokens=tokens
             ),
         )
         return JSONResponse(response.model_dump(exclude_none=True))

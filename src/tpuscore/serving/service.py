@@ -13,7 +13,7 @@ from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
-from tpuscore.serving import dialects, guards, protocol
+from tpuscore.serving import dialects, guards, protocol, responses
 from tpuscore.serving.batcher import Batcher
 from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
@@ -100,7 +100,7 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""
-        return JSONResponse(protocol.Health(model=self.model_name).model_dump())
+        return JSONResponse(responses.Health(model=self.model_name).model_dump())
 
     async def prometheus(self) -> Response:
         """The Prometheus series: requests by status, latency, items, tokens, backends."""

@@ -6,7 +6,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from tpuscore.api import bounds
-from tpuscore.serving import protocol
+from tpuscore.serving import protocol, responses
 from tpuscore.serving.dialects import JSONResponse
 
 
@@ -28,10 +28,10 @@ class SglangEndpoints:
             request, query=body.query, items=items, **protocol.score_options(body)
         )
         self.metrics.scored(request.url.path, len(items), result)
-        response = protocol.ScoreResponse(
+        response = responses.ScoreResponse(
             scores=result.scores.tolist(),
             model=self.model_name,
-            usage=protocol.Usage.of(result.num_tokens),
-            calibrated=protocol.calibrated(result),
+            usage=responses.Usage.of(result.num_tokens),
+            calibrated=responses.calibrated(result),
         )
         return JSONResponse(response.model_dump(exclude_none=True))

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.results import ScoreResult
-from tpuscore.serving import dialects, protocol
+from tpuscore.serving import dialects, protocol, responses
 from tpuscore.serving.dialects import JSONResponse
 
 if TYPE_CHECKING:
@@ -270,6 +270,6 @@ def routes(service: Service) -> list[tuple[str, Callable[..., Any], Any]]:
         return await service.tokenize(body)
 
     return [
-        ("/rerank", rerank_any, protocol.RerankResponse | TeiRerankResponse),
-        ("/tokenize", tokenize_any, protocol.TokenizeResponse | TeiTokenizeResponse),
+        ("/rerank", rerank_any, responses.RerankResponse | TeiRerankResponse),
+        ("/tokenize", tokenize_any, responses.TokenizeResponse | TeiTokenizeResponse),
     ]

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
-from tpuscore.serving import protocol
+from tpuscore.serving import protocol, responses
 from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.errors import wire_names
 from tpuscore.tasks import ranking
@@ -70,12 +70,12 @@ class VllmEndpoints:
             for ranked in ranking.rank_result(result, indexes, positive=self.positive):
                 scores[ranked.item] = ranked.score  # as /v1/rerank scores the pair
             self.metrics.scored(request.url.path, len(indexes), result)
-        response = protocol.VllmScoreResponse(
+        response = responses.VllmScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.model_name,
-            data=[protocol.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
-            usage=protocol.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+            data=[responses.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
+            usage=responses.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
         return JSONResponse(response.model_dump())
 
@@ -111,7 +111,7 @@ class VllmEndpoints:
         bounds.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
         bounds.check_text(body.prompt, "prompt")
         encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        response = protocol.TokenizeResponse(
+        response = responses.TokenizeResponse(
             count=len(encoding.ids),
             max_model_len=self.scorer.config.max_position_embeddings,
             tokens=encoding.ids,
@@ -134,16 +134,16 @@ class VllmEndpoints:
                     "tokens",
                 )
         prompt = tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return JSONResponse(protocol.DetokenizeResponse(prompt=prompt).model_dump())
+        return JSONResponse(responses.DetokenizeResponse(prompt=prompt).model_dump())
 
     async def models(self) -> Response:
         """The one model this server serves."""
-        card = protocol.ModelCard(
+        card = responses.ModelCard(
             id=self.model_name,
             created=self.created,
             max_model_len=self.scorer.config.max_position_embeddings,
         )
-        return JSONResponse(protocol.ModelList(data=[card]).model_dump())
+        return JSONResponse(responses.ModelList(data=[card]).model_dump())
 
 
 async def all_or_none(works: Iterable[Awaitable[T]]) -> list[T]:
