@@ -157,3 +157,14 @@ def rss_mib() -> float:
 # checkpoints): numpy's allclose, |batched - alone| <= atol + rtol * |alone|. Batch-invariant
 # mode is bit-identical instead.
 ALONE_VS_BATCHED = {"rtol": 1e-5, "atol": 5e-5}
+
+
+def start_ray(**init_kwargs) -> None:
+    """A local Ray cluster of 2 CPUs whose workers import this checkout's tpuscore on CPU,
+    without the persistent compilation cache (workers would race on it)."""
+    import ray
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, **init_kwargs)
+    ray.data.DataContext.get_current().enable_progress_bars = False

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ALONE_VS_BATCHED
+from helpers import ALONE_VS_BATCHED, start_ray
 from test_server import TEMPLATE
 from tpuscore import Batcher, Scorer
 from tpuscore.tasks import ranking
@@ -303,10 +303,7 @@ def ray_cluster():
     """A local Ray cluster for the module (as tests/test_ray.py starts one)."""
     import ray
 
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_ray()
     yield
     ray.shutdown()
 

@@ -2,12 +2,11 @@
 dataset of pair rows scored by actors equals the in-process scorer, ids in place, and a bad row
 lands in the error columns instead of failing the dataset."""
 
-import os
-
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from helpers import start_ray
 from test_jobs import CASE, LABELS, pairs_table, reference
 from tpuscore.jobs import load_scorer
 
@@ -20,10 +19,7 @@ SPEC = dict(
 
 @pytest.fixture(scope="module")
 def cluster():
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_ray()
     yield
     ray.shutdown()
 

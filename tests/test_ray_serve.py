@@ -9,12 +9,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from helpers import start_ray
 from test_server import TEMPLATE
 from tpuscore.serving import guards as server_guards
 
@@ -39,11 +39,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's tpuscore
-    env = {"PYTHONPATH": src, "JAX_PLATFORMS": "cpu", "TPUSCORE_COMPILATION_CACHE": "off"}
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}
-    )
+    start_ray(log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
