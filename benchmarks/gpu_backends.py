@@ -27,8 +27,9 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from random_checkpoint import qwen3_0_6b  # noqa: E402
 
-from tpuscore import Scorer  # noqa: E402
+from tpuscore import Scorer
 from tpuscore.backends import registry  # noqa: E402
+from tpuscore.models import decoder  # noqa: E402
 
 GEOMETRIES = {  # query tokens, items, item tokens
     "long": (2000, 500, 20),
@@ -101,7 +102,12 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="packed_dense first")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
+    parser.add_argument(
+        "--unroll-layers", default="",
+        help="platforms whose steps unroll the layer loop (decoder.UNROLLED_LAYERS_ON), e.g. cuda",
+    )
     args = parser.parse_args()
+    decoder.UNROLLED_LAYERS_ON = frozenset(filter(None, args.unroll_layers.split(",")))
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {platform.node()}, jax {jax.__version__}, devices {jax.devices()}")
     path = qwen3_0_6b(args.checkpoint)

@@ -5,7 +5,8 @@
 #
 #     bash benchmarks/gpu_part4.sh all          # everything, inside $BUDGET_S (default 560 s)
 #     bash benchmarks/gpu_part4.sh host tiles   # or any of: workload serving host tiles tuned
-#                                               # launch calibrate
+#                                               # launch unrolled modeltiles serving-unrolled
+#                                               # calibrate
 #
 # The device tool stops a command at 10 minutes and lends 15 minutes a session, so each part has
 # its own time limit and the calibration takes what is left of BUDGET_S (it fits and checks on the
@@ -26,7 +27,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src${PYTHONPATH:+:$PYTHONP
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2
 parts=("$@")
-[[ ${#parts[@]} -eq 0 || ${parts[0]} == all ]] && parts=(workload serving host tiles tuned launch calibrate)
+[[ ${#parts[@]} -eq 0 || ${parts[0]} == all ]] && parts=(workload serving host tiles tuned launch unrolled modeltiles serving-unrolled calibrate)
 python -c "import sys; sys.path.insert(0, 'benchmarks'); from random_checkpoint import qwen3_0_6b
 qwen3_0_6b('$checkpoint', dtype='bfloat16')" 2>&1 | tail -1 | tee -a "$log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
@@ -62,20 +63,33 @@ for part in "${parts[@]}"; do
     tuned)  # packed_segment again, on the tiles the sweep kept
       run 60 python benchmarks/gpu_backends.py --checkpoint "$checkpoint" --repeats 5 --no-hf \
         --backends packed_segment ;;
-    launch)  # the step's launch: host ms per step at SGLang's geometry under XLA's command
-      # buffers (CUDA graphs) extended to the layer loop's WHILE, against the default; a flag
-      # this XLA does not know stops its run at start, which the log shows
-      for flags in "" "--xla_gpu_enable_command_buffer=+WHILE" \
-          "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
-        XLA_FLAGS="$flags" run 60 python benchmarks/host_overhead.py --gpu --checkpoint \
-          "$checkpoint" --geometry sglang --geometry long --backends packed_segment --repeats 5
+    launch)  # the step's launch: host ms per step at SGLang's and the seeds' geometry, the layer
+      # loop rolled (XLA's while loop: each layer's kernels issued from the host), unrolled
+      # (decoder.UNROLLED_LAYERS_ON), and rolled under XLA's command buffers (CUDA graphs)
+      # extended to the while loop; a flag this XLA does not know stops its run at start
+      for variant in "rolled||" "unrolled|cuda|" "while-graphs||--xla_gpu_enable_command_buffer=+WHILE"; do
+        IFS='|' read -r name unroll flags <<<"$variant"
+        echo "### $name" | tee -a "$log"
+        XLA_FLAGS="$flags" run 70 python benchmarks/host_overhead.py --gpu --checkpoint \
+          "$checkpoint" --geometry sglang --geometry long --backends packed_segment --repeats 5 \
+          --unroll-layers "$unroll"
       done ;;
+    unrolled)  # the seeds' workload and the other geometries with the layer loop unrolled
+      run 110 python benchmarks/gpu_backends.py --checkpoint "$checkpoint" --repeats 5 --no-hf \
+        --backends packed_segment,prefill_extend --unroll-layers cuda ;;
+    modeltiles)  # the segment kernel's tiles swept inside the whole packed_segment call
+      run 120 python benchmarks/gpu_model_tiles.py --checkpoint "$checkpoint" --budget-s 85 \
+        --repeats 3 --write --json "$out/model_tiles.json"
+      cp src/tpuscore/kernels/segment/gpu_tiles.json "$out/" ;;
+    serving-unrolled)  # the Batcher at SGLang's geometry, the layer loop unrolled
+      run 70 python benchmarks/serving.py --gpu --checkpoint "$checkpoint" --rate 120,500 \
+        --duration 8 --backend packed_segment --skip-hf --skip-threads --unroll-layers cuda ;;
     calibrate)  # the profile as measured: commit it as src/tpuscore/engine/profiles/<gpu>.json
       left=$((end - SECONDS))
       run "$left" python -m tpuscore.cli.calibrate --model "$checkpoint" --dtype bfloat16 \
         --budget-s $((left - 90)) --out "$out/profile.json" \
         --measurements "$out/calibration.json" ;;
-    *) echo "unknown part $part (workload serving host tiles tuned launch calibrate all)" >&2; exit 2 ;;
+    *) echo "unknown part $part (workload serving host tiles tuned launch unrolled modeltiles serving-unrolled calibrate all)" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%H:%M:%S); results in $out" | tee -a "$log"

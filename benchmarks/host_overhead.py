@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from tpuscore import Scorer
+from tpuscore.models import decoder
 
 GEOMETRIES = {  # query tokens, items, item tokens
     "sglang": (300, 10, 10),
@@ -132,7 +133,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trace", help="write a jax.profiler trace of one call per backend here")
     p.add_argument("--host-only", action="store_true", help="time the host work, run no step")
+    p.add_argument(
+        "--unroll-layers", default="",
+        help="platforms whose steps unroll the layer loop (decoder.UNROLLED_LAYERS_ON), e.g. cuda",
+    )
     args = p.parse_args(argv)
+    decoder.UNROLLED_LAYERS_ON = frozenset(filter(None, args.unroll_layers.split(",")))
 
     model, dtype = args.model, args.dtype
     if args.gpu:

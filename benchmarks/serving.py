@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from tpuscore import Batcher, Overloaded, Scorer  # noqa: E402
+from tpuscore.models import decoder  # noqa: E402
 from tpuscore.serving.batcher import DEFAULT_MAX_BATCH_TOKENS  # noqa: E402
 
 
@@ -252,7 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--skip-threads", action="store_true", help="no thread-pool peer of scorer.score")
     add("--gpu", action="store_true", help="a random Qwen3-0.6B-shaped checkpoint, HF on CUDA")
     add("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
+    add("--unroll-layers", default="", help="platforms that unroll the layer loop, e.g. cuda")
     args = p.parse_args(argv)
+    decoder.UNROLLED_LAYERS_ON = frozenset(filter(None, args.unroll_layers.split(",")))
     args.dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
     return args
 

@@ -181,15 +181,28 @@ def _layer_attention(config: ModelConfig, window) -> LayerAttention:
     return LayerAttention(window, attention_scale(config), config.attn_logit_softcap)
 
 
+# Platforms (as `jax.lax.platform_dependent` names them) whose steps run the layer loop
+# unrolled. Rolled, XLA on a GPU issues each layer's kernels from the host once per iteration
+# of the loop; unrolled, the step is one graph of kernels, which costs compile time.
+UNROLLED_LAYERS_ON: frozenset[str] = frozenset()
+
+
 def _scan_layers(step, x, layers, *per_layer):
     """lax.scan of step(x, (one layer's weights, *per-layer inputs)) over the stacked layers,
-    whose bfloat16 weights may arrive as their uint16 bits (`weights.layers_as_bits`)."""
+    whose bfloat16 weights may arrive as their uint16 bits (`weights.layers_as_bits`); unrolled
+    where the step is lowered for a platform of `UNROLLED_LAYERS_ON`."""
 
     def layer_step(x, inputs):
         p, *rest = inputs
         return step(x, (bits_as_bfloat16(p), *rest))
 
-    return jax.lax.scan(layer_step, x, (layers, *per_layer))
+    def scan(unroll):
+        return lambda: jax.lax.scan(layer_step, x, (layers, *per_layer), unroll=unroll)
+
+    if not UNROLLED_LAYERS_ON:
+        return scan(1)()
+    unrolled = {platform: scan(True) for platform in UNROLLED_LAYERS_ON}
+    return jax.lax.platform_dependent(default=scan(1), **unrolled)
 
 
 # attention(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], layer: LayerAttention) -> [B,T,N,H]
