@@ -1,20 +1,13 @@
 """`/v1/completions` for scoring (docs/completions.md): prompt log-probabilities equal
-`Scorer.loglikelihood`'s, prompts sharing a prefix share its computation, generation is refused;
-and lm-evaluation-harness's own `local-completions` model against the server gives the metrics
-of the in-process `tpuscore` model and of `hf`, each request within 1e-4."""
-
-import json
-import os
-import pathlib
-import shutil
+`Scorer.loglikelihood`'s, prompts sharing a prefix share its computation, generation is refused.
+lm-evaluation-harness's own `local-completions` model against the server is tested beside the
+in-process model, in tests/test_lm_eval.py."""
 
 import httpx
 import numpy as np
 import pytest
 
 from helpers import ServerThread, random_tokens
-from hf_reference import BOS, EOS
-from tpuscore import Scorer
 from tpuscore.api import templates
 from tpuscore.backends import registry
 from tpuscore.serving import app as server
@@ -136,90 +129,3 @@ def test_what_needs_generation_or_is_malformed_is_refused(client, body, code, pa
     assert error["code"] == 400
     if code == "generation_unsupported":
         assert "does not" in error["message"]
-
-
-# -- lm-evaluation-harness's local-completions against the server -------------------------------
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TASKS = ["tpuscore_mc", "tpuscore_ppl"]
-MAX_LENGTH = 48  # as tests/test_lm_eval.py: some requests truncated, several rolling windows
-
-
-@pytest.fixture(scope="module")
-def bos_checkpoint(checkpoint_dir, tmp_path_factory):
-    """tests/test_lm_eval.py's checkpoint: BOS-adding, with its tokenizer_config.json."""
-    path = tmp_path_factory.mktemp("completions") / "checkpoint"
-    shutil.copytree(checkpoint_dir("llama3_rope_tied"), path)
-    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
-
-
-@pytest.mark.slow
-def test_lm_eval_local_completions_matches_tpuscore_and_hf(bos_checkpoint):
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import tpuscore.integrations.lm_eval  # noqa: F401  registers "tpuscore"
-
-    running = ServerThread(
-        server.create_app(
-            Scorer.from_pretrained(bos_checkpoint, dtype="float32"), rerank_template=TEMPLATE
-        )
-    )
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the task files name their data relative to it
-    try:
-        manager = TaskManager(include_path=str(ROOT / "tests/data/lm_eval"), include_defaults=False)
-        local = f"pretrained={bos_checkpoint},dtype=float32,max_length={MAX_LENGTH}"
-        # The API model keeps max_length - 1 tokens for a generated one and rolls windows of
-        # max_length - 2: MAX_LENGTH + 2 gives the windows and cuts `hf` gets from MAX_LENGTH.
-        # add_bos_token: its Hugging Face tokenizer then adds the BOS, as `hf`'s does.
-        api = (
-            f"model=tiny,base_url={running.url}/v1/completions,tokenizer_backend=huggingface,"
-            f"tokenizer={bos_checkpoint},max_length={MAX_LENGTH + 2},add_bos_token=True,"
-            "batch_size=8,tokenized_requests=True"
-        )
-        runs = {
-            name: lm_eval.simple_evaluate(
-                model=model,
-                model_args=args,
-                tasks=TASKS,
-                task_manager=manager,
-                device="cpu",
-                log_samples=True,
-            )  # fmt: skip
-            for name, model, args in [
-                ("hf", "hf", local),
-                ("tpuscore", "tpuscore", local),
-                ("http", "local-completions", api),
-            ]
-        }
-    finally:
-        os.chdir(cwd)
-        running.stop()
-    results = {name: run["results"] for name, run in runs.items()}
-    assert results["http"]["tpuscore_mc"]["sample_len"] == 8
-    for reference in ("hf", "tpuscore"):
-        for metric in ("acc,none", "acc_norm,none"):
-            assert (
-                results["http"]["tpuscore_mc"][metric] == results[reference]["tpuscore_mc"][metric]
-            )
-        for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
-            assert results["http"]["tpuscore_ppl"][metric] == pytest.approx(
-                results[reference]["tpuscore_ppl"][metric], rel=1e-5
-            )
-        for task, count in (("tpuscore_mc", 32), ("tpuscore_ppl", 4)):
-            theirs, ours = (runs[m]["samples"][task] for m in (reference, "http"))
-            pairs = [
-                (a, b)
-                for doc_a, doc_b in zip(theirs, ours, strict=True)
-                for a, b in zip(doc_a["filtered_resps"], doc_b["filtered_resps"], strict=True)
-            ]
-            assert len(pairs) == count
-            for a, b in pairs:
-                if task == "tpuscore_mc":  # (logprob, is_greedy)
-                    assert float(b[0]) == pytest.approx(float(a[0]), abs=1e-4)
-                    assert bool(b[1]) == bool(a[1])
-                else:
-                    assert float(b) == pytest.approx(float(a), abs=1e-4)

@@ -1,6 +1,7 @@
 """lm-evaluation-harness on tpuscore: a local multiple-choice task and a local perplexity task
-(tests/data/lm_eval/) through `simple_evaluate`, with the harness's own `hf` model and with
-"tpuscore" on the same tiny checkpoint, give identical accuracies and every request's
+(tests/data/lm_eval/) through `simple_evaluate`, with the harness's own `hf` model, with
+"tpuscore" in process and with the harness's `local-completions` model against the server's
+`/v1/completions`, on the same tiny checkpoint, give identical accuracies and every request's
 log-likelihood within 1e-4 (float32)."""
 
 import json
@@ -16,8 +17,12 @@ import pytest
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
+from helpers import ServerThread
 from hf_reference import BOS, EOS
+from tpuscore import Scorer
+from tpuscore.api import templates
 from tpuscore.integrations.lm_eval import TpuscoreLM
+from tpuscore.serving import app as server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASKS = ["tpuscore_mc", "tpuscore_ppl"]
@@ -25,6 +30,11 @@ TASKS = ["tpuscore_mc", "tpuscore_ppl"]
 # document spans several rolling windows; both models get it.
 MAX_LENGTH = 48
 ATOL = 1e-4
+# The server needs a rerank template whose labels are single tokens of the tests' tokenizer.
+TEMPLATE = templates.Template(
+    name="test", query="{query}\n", item="{item}", item_suffix="?", labels=("y", "n"),
+    default_instruction="",
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +52,32 @@ def checkpoint(checkpoint_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(checkpoint):
-    """simple_evaluate's output per model, with per-request samples. Run from the repository
-    root: the task files name their data relative to it."""
+    """simple_evaluate's output per model, with per-request samples: `hf`, `tpuscore` in
+    process, and `http` (the harness's local-completions against the server). Run from the
+    repository root: the task files name their data relative to it."""
+    running = ServerThread(
+        server.create_app(
+            Scorer.from_pretrained(checkpoint, dtype="float32"), rerank_template=TEMPLATE
+        )
+    )
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
         # The local tasks only: indexing the harness's built-in tasks too takes seconds.
         manager = TaskManager(include_path=str(ROOT / "tests/data/lm_eval"), include_defaults=False)
-        args = f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}"
+        local = f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}"
+        # The API model keeps max_length - 1 tokens for a generated one and rolls windows of
+        # max_length - 2: MAX_LENGTH + 2 gives the windows and cuts `hf` gets from MAX_LENGTH.
+        # add_bos_token: its Hugging Face tokenizer then adds the BOS, as `hf`'s does.
+        api = (
+            f"model=tiny,base_url={running.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={checkpoint},max_length={MAX_LENGTH + 2},add_bos_token=True,"
+            "batch_size=8,tokenized_requests=True"
+        )
+        models = {"hf": ("hf", local), "tpuscore": ("tpuscore", local)}
+        models["http"] = ("local-completions", api)
         return {
-            model: lm_eval.simple_evaluate(
+            name: lm_eval.simple_evaluate(
                 model=model,
                 model_args=args,
                 tasks=TASKS,
@@ -59,14 +85,16 @@ def evaluated(checkpoint):
                 device="cpu",
                 log_samples=True,
             )
-            for model in ("hf", "tpuscore")
+            for name, (model, args) in models.items()
         }
     finally:
         os.chdir(cwd)
+        running.stop()
 
 
-def test_identical_accuracy_and_perplexity(evaluated):
-    hf, ours = (evaluated[m]["results"] for m in ("hf", "tpuscore"))
+@pytest.mark.parametrize("model", ["tpuscore", "http"])
+def test_identical_accuracy_and_perplexity(evaluated, model):
+    hf, ours = (evaluated[m]["results"] for m in ("hf", model))
     assert hf["tpuscore_mc"]["sample_len"] == ours["tpuscore_mc"]["sample_len"] == 8
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["tpuscore_mc"][metric] == hf["tpuscore_mc"][metric]
@@ -74,9 +102,10 @@ def test_identical_accuracy_and_perplexity(evaluated):
         assert ours["tpuscore_ppl"][metric] == pytest.approx(hf["tpuscore_ppl"][metric], rel=1e-5)
 
 
+@pytest.mark.parametrize("model", ["tpuscore", "http"])
 @pytest.mark.parametrize("task, requests", [("tpuscore_mc", 32), ("tpuscore_ppl", 4)])
-def test_every_request_within_1e_4(evaluated, task, requests):
-    hf, ours = (evaluated[m]["samples"][task] for m in ("hf", "tpuscore"))
+def test_every_request_within_1e_4(evaluated, model, task, requests):
+    hf, ours = (evaluated[m]["samples"][task] for m in ("hf", model))
     assert len(hf) == len(ours)
     pairs = [
         (a, b)
@@ -86,10 +115,10 @@ def test_every_request_within_1e_4(evaluated, task, requests):
     assert len(pairs) == requests
     for a, b in pairs:
         if task == "tpuscore_mc":  # (logprob, is_greedy)
-            assert b[0] == pytest.approx(a[0], abs=ATOL)
-            assert b[1] == a[1]
+            assert float(b[0]) == pytest.approx(float(a[0]), abs=ATOL)
+            assert bool(b[1]) == bool(a[1])
         else:  # the document's summed log-likelihood
-            assert b == pytest.approx(a, abs=ATOL)
+            assert float(b) == pytest.approx(float(a), abs=ATOL)
 
 
 def instances(kind, args):

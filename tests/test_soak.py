@@ -311,13 +311,15 @@ def test_soak_answers_exactly_and_bounds_waiting_and_memory(soak):
     # The huge request ran over many batches; the small ones sent meanwhile did not wait for it.
     # Counted in batches, no clock: each ran in one of the first batches to start after it was
     # sent (the next, or one of the two after it: batches go on starting while its HTTP request
-    # is read and validated), and all but the last ran before the huge request's last batch.
+    # is read and validated), and at least three ran between the huge request's batches. (Small
+    # requests go on being sent until the huge one's answer arrives, so on a loaded machine
+    # several can follow its last batch: how many is the client's timing, not the Batcher's.)
     assert soak["huge_runs"] >= HUGE_ITEMS * 45 // MAX_REQUEST_STEP_TOKENS
     small = soak["small_during_huge"]
     assert len(small) >= 3
     for runs_before, own_run in small:
         assert own_run is not None and runs_before <= own_run <= runs_before + 2, small
-    assert all(own_run < soak["huge_last_run"] for _, own_run in small[:-1]), small
+    assert sum(own_run < soak["huge_last_run"] for _, own_run in small) >= 3, small
 
     assert soak["rss_end"] - soak["rss_warm"] < RSS_GROWTH_MIB, (soak["rss_warm"], soak["rss_end"])
 
