@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import fresh, random_tokens, seeded_rng
+from helpers import ServerThread, fresh, random_tokens, seeded_rng
 from hf_reference import MODEL_VOCAB_SIZE, hf_logprobs, make_checkpoint
 from lora_reference import ADAPTERS, TOLERANCE, peft_logprobs, save_adapter
 from tpuscore import Scorer
+from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.backends import registry
 
@@ -163,3 +164,94 @@ def test_bad_adapters_argument_is_located(lora, tmp_path):
     with pytest.raises(ValidationError) as info:
         Scorer.from_pretrained(base, dtype="float32", adapters={"gone": tmp_path / "missing"})
     assert info.value.code == "adapter_not_found" and info.value.loc == ("adapters", "gone")
+
+
+# -- the server: `model` picks the adapter ------------------------------------------------------
+
+SERVED = "tiny-base"
+
+
+@pytest.fixture(scope="module")
+def client(lora):
+    import httpx
+
+    from tpuscore.serving import app as server
+
+    _, _, scorer = lora
+    template = templates.Template(
+        name="lora",
+        query="Query: {query}\n",
+        item="Document: {item}",
+        item_suffix=None,
+        labels=("y", "n"),
+        default_instruction=None,
+    )  # the tiny tokenizer's labels are single tokens
+    app = server.create_app(fresh(scorer), model_name=SERVED, rerank_template=template)
+    running = ServerThread(app)
+    with httpx.Client(base_url=running.url, timeout=120) as c:
+        yield c
+    running.stop()
+
+
+def test_v1_models_lists_the_base_and_its_adapters(client):
+    cards = client.get("/v1/models").json()["data"]
+    assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
+        (SERVED, None, SERVED),
+        *((name, SERVED, SERVED) for name in ADAPTERS),
+    ]
+
+
+def test_the_model_field_selects_the_adapter(client, traffic):
+    """SGLang's /v1/score: an adapter's name scores with it (peft's scores), the served name and
+    no model with the base; concurrent requests for different adapters share the Batcher."""
+    requests, expected = traffic
+    from concurrent.futures import ThreadPoolExecutor
+
+    def body(request, model):
+        keys = ("query", "items", "label_token_ids")
+        return {**{k: request[k] for k in keys}, "model": model}
+
+    calls = [(requests[i], requests[i]["adapter"] or SERVED, expected[i][0]) for i in range(4)]
+    calls.append((requests[0], None, expected[0][0]))
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(pool.map(lambda c: client.post("/v1/score", json=body(*c[:2])), calls))
+    for (_, model, want), answer in zip(calls, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == (model or SERVED)
+        got = np.log(np.asarray(answer.json()["scores"]))
+        np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0, err_msg=str(model))
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/score", {"query": [1, 2], "items": [[3]], "label_token_ids": [4]}),
+        ("/score", {"text_1": "a", "text_2": ["b"]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1}),
+    ],
+)
+def test_an_unknown_model_is_not_found_in_the_dialects_shape(client, path, body):
+    answer = client.post(path, json={**body, "model": "nope"})
+    assert answer.status_code == 404, answer.text
+    assert answer.headers["x-error-code"] == "model_not_found"
+    assert "'nope' does not exist" in answer.text and repr(SERVED) in answer.text
+
+
+def test_rerank_and_vllm_score_take_the_adapter(client, lora):
+    """Cohere/Jina's /v1/rerank and vLLM's /score under an adapter: the same relevance, and not
+    the base's; /v1/completions refuses an adapter (prompt log-probabilities are base-only)."""
+    docs = ["b c", "d"]
+    base = client.post("/v1/rerank", json={"query": "a", "documents": docs}).json()
+    tuned = client.post("/v1/rerank", json={"query": "a", "documents": docs, "model": "rslora"})
+    assert tuned.status_code == 200 and tuned.json()["model"] == "rslora"
+    by_index = {r["index"]: r["relevance_score"] for r in tuned.json()["results"]}
+    pairs = client.post("/score", json={"text_1": "a", "text_2": docs, "model": "rslora"}).json()
+    assert pairs["model"] == "rslora"
+    for d in pairs["data"]:
+        assert d["score"] == pytest.approx(by_index[d["index"]], abs=1e-6)
+    base_scores = {r["index"]: r["relevance_score"] for r in base["results"]}
+    assert max(abs(by_index[i] - base_scores[i]) for i in by_index) > 1e-4
+    body = {"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1, "model": "rslora"}
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 400 and refused.headers["x-error-code"] == "adapter_unsupported"
