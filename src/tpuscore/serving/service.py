@@ -102,8 +102,10 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` field names, as vLLM serves LoRA modules: None
         (the base) for no model or the served model's name, else one of the scorer's adapters.
-        Any other name is `model_not_found` (404)."""
-        if model is None or model == self.model_name:
+        Any other name is `model_not_found` (404) where adapters are loaded; without adapters
+        the field is accepted unchecked, as before adapters (one server, one model: clients
+        send names such as "default")."""
+        if model is None or model == self.model_name or not self.scorer.adapters:
             return None
         if model in self.scorer.adapters:
             return model
