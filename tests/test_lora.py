@@ -19,62 +19,13 @@ import pytest
 import torch
 
 from helpers import random_tokens, seeded_rng
-from hf_reference import MODEL_VOCAB_SIZE, make_checkpoint, model_logprobs
+from hf_reference import MODEL_VOCAB_SIZE, make_checkpoint
+from lora_reference import ADAPTERS, TOLERANCE, fresh_hf, peft_logprobs, save_adapter
 from tpuscore.api.errors import ValidationError
 from tpuscore.models import decoder
 from tpuscore.models.adapters import RowAdapters, load_adapter, stack_adapters
 from tpuscore.models.attention import attend, within_window
 from tpuscore.models.loaders import load
-
-# name -> peft LoraConfig kwargs: different ranks, alphas, scalings and targets.
-ADAPTERS = {
-    "attn_mlp": {"r": 3, "lora_alpha": 5, "target_modules": ["q_proj", "down_proj"]},
-    "rslora": {
-        "r": 5,
-        "lora_alpha": 7,
-        "use_rslora": True,
-        "target_modules": ["k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
-    },
-    "all_one_layer": {
-        "r": 2,
-        "lora_alpha": 2,
-        "layers_to_transform": [1],
-        "target_modules": [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],  # fmt: skip
-    },
-}
-TOLERANCE = 1e-4
-
-
-def _fresh_hf(base, classifier=False):
-    """A new transformers model (peft wraps it in place, so never the cached reference one)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-    return auto.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _save_adapter(base, out, seed, classifier=False, **kwargs):
-    """A peft LoRA adapter with random A and B (init_lora_weights=False), saved to out."""
-    torch.manual_seed(seed)
-    task = {"task_type": "SEQ_CLS"} if classifier else {}
-    model = peft.get_peft_model(
-        _fresh_hf(base, classifier),
-        peft.LoraConfig(init_lora_weights=False, **task, **kwargs),
-    )
-    with torch.no_grad():  # peft's random B is small; make each adapter move the scores clearly
-        for name, param in model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +33,7 @@ def lora_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = make_checkpoint(root / "base", "llama_gqa_untied", seed=3)
     paths = {
-        name: _save_adapter(base, root / name, seed=10 + i, **kwargs)
+        name: save_adapter(base, root / name, seed=10 + i, **kwargs)
         for i, (name, kwargs) in enumerate(ADAPTERS.items())
     }
     return base, paths
@@ -112,13 +63,6 @@ def _padded(seqs):
     return jnp.asarray(tokens), jnp.asarray([len(s) for s in seqs], jnp.int32)
 
 
-def _peft_logprobs(base, adapter_path, seqs, labels, merged):
-    model = peft.PeftModel.from_pretrained(_fresh_hf(base), adapter_path).eval()
-    if merged:
-        model = model.merge_and_unload()
-    return model_logprobs(model, seqs, labels)
-
-
 def test_mixed_adapter_batch_matches_peft_and_merged(lora_setup, request):
     base, paths = lora_setup
     rng = seeded_rng(request.node.nodeid)
@@ -141,7 +85,7 @@ def test_mixed_adapter_batch_matches_peft_and_merged(lora_setup, request):
     for i, name in enumerate(names, start=1):
         rows = np.flatnonzero(index == i)
         for merged in (False, True):
-            want = _peft_logprobs(base, paths[name], [seqs[r] for r in rows], labels, merged)
+            want = peft_logprobs(base, paths[name], [seqs[r] for r in rows], labels, merged)
             np.testing.assert_allclose(
                 got[rows], want, atol=TOLERANCE, rtol=0, err_msg=f"{name} merged={merged}"
             )
@@ -152,7 +96,7 @@ def test_mixed_adapter_batch_matches_peft_and_merged(lora_setup, request):
 def test_classification_head_in_modules_to_save(tmp_path, request):
     rng = seeded_rng(request.node.nodeid)
     base = make_checkpoint(tmp_path / "base", "qwen2_seq_cls", seed=5)
-    path = _save_adapter(
+    path = save_adapter(
         base, tmp_path / "cls", seed=21, classifier=True, r=4, lora_alpha=3,
         target_modules=["v_proj", "up_proj"],
     )  # fmt: skip
@@ -169,7 +113,7 @@ def test_classification_head_in_modules_to_save(tmp_path, request):
     )
     plain = np.asarray(_score(params, tokens, lengths, classes, config))
     np.testing.assert_array_equal(got[1], plain[1])
-    model = peft.PeftModel.from_pretrained(_fresh_hf(base, classifier=True), path).eval()
+    model = peft.PeftModel.from_pretrained(fresh_hf(base, classifier=True), path).eval()
     for row in (0, 2):
         with torch.no_grad():
             want = model(input_ids=torch.tensor([seqs[row]])).logits[0].double().numpy()
@@ -215,7 +159,7 @@ def test_adapter_for_another_model_is_refused(lora_setup, tmp_path):
         load_adapter(paths["attn_mlp"], config)
     assert info.value.code == "adapter_mismatch"
     base, _ = lora_setup
-    lm_head = _save_adapter(base, tmp_path / "head", seed=2, r=2, target_modules=["lm_head"])
+    lm_head = save_adapter(base, tmp_path / "head", seed=2, r=2, target_modules=["lm_head"])
     config, _, _ = load(base, dtype=np.float32)
     with pytest.raises(ValidationError, match="not a LoRA weight of a decoder projection"):
         load_adapter(lm_head, config)

@@ -23,6 +23,7 @@ from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models import loaders
+from tpuscore.models.adapters import LoraAdapter, load_adapter
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
@@ -36,6 +37,7 @@ from tpuscore.tasks.prompt_logprobs import PromptLogprobs
 from tpuscore.tasks.ranking import RankedItem
 
 Query, Items = str | list[int], list[str] | list[list[int]]
+Adapters = Mapping[str, "str | os.PathLike | LoraAdapter"]
 BackendOptions, Profile = Mapping[str, Mapping[str, Any]], DeviceProfile | str | os.PathLike
 
 
@@ -50,13 +52,15 @@ class Scorer:
         profile: Profile | None = None, mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None, batch_invariant: bool = False,
         executables_guard: executables.Guard | None = None,
+        adapters: Adapters | None = None,
     ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`).
         executables_guard: keeps this scorer's compiled executables within the process's memory
         maps (`engine.executables.Guard`; default one of its own, so one scorer's limit never
         drops another's executables; scorers given one guard share their executables)."""
-        model = Model.build(config, params, dtype, sharding.make_layout(config, mesh, devices))
+        layout = sharding.make_layout(config, mesh, devices)
+        model = Model.build(config, params, dtype, layout, _load_adapters(adapters, config))
         if profile is not None and not isinstance(profile, DeviceProfile):
             profile = DeviceProfile.load(profile)
         self.engine = Engine(
@@ -84,9 +88,12 @@ class Scorer:
         batch_invariant: bool = False,
         score_calibration: str | os.PathLike | None = None,
         executables_guard: executables.Guard | None = None,
+        adapters: Adapters | None = None,
     ) -> Scorer:
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
-        None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
+        None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors.
+        adapters: name -> PEFT LoRA adapter directory, loaded and stacked once; a request picks
+        one with `adapter="name"` (docs/adapters.md)."""
         compilation_cache.enable(compilation_cache_dir)
         config, params, tokenizer = loaders.load(
             model, dtype=base_dtype(resolve_precision(dtype)), revision=revision,
@@ -97,6 +104,7 @@ class Scorer:
             config, params, tokenizer, dtype=dtype, backend=backend,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
+            adapters=adapters,
         )  # fmt: skip
         if score_calibration is not None:  # docs/calibration.md
             scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)
@@ -235,9 +243,39 @@ class Scorer:
         return self.engine.backends.get(name)
 
     config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")
+    adapters = property(
+        lambda self: list(self.engine.model.adapter_names),
+        doc="The names of the LoRA adapters a request may name (`adapter=`), in load order.",
+    )
     params = property(lambda self: self.engine.model.weights, doc="The parameters on device.")
     dtype = property(lambda self: self.engine.model.dtype, doc="Attention's and K/V's dtype.")
     mesh = property(lambda self: self.engine.model.layout.mesh, doc="The mesh, or None.")
     tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")
     backends = property(lambda self: self.engine.backends, doc="The `BackendPool`.")
     cost_model = property(lambda self: self.engine.cost_model, doc="auto's `CostModel`.")
+
+
+def _load_adapters(adapters: Adapters | None, config: ModelConfig) -> dict[str, LoraAdapter]:
+    """Each named adapter loaded for the base (a path, or an already loaded `LoraAdapter`);
+    a bad name or adapter is a ValidationError located at ("adapters", name)."""
+    if adapters is None:
+        return {}
+    if not isinstance(adapters, Mapping):
+        raise ValidationError(
+            "invalid_argument",
+            "adapters must be a mapping of name -> adapter directory, got "
+            f"{type(adapters).__name__}",
+            "adapters",
+        )
+    loaded = {}
+    for name, path in adapters.items():
+        if not isinstance(name, str) or not name:
+            raise ValidationError(
+                "invalid_argument", f"adapter names must be non-empty strings, got {name!r}",
+                "adapters",
+            )  # fmt: skip
+        try:
+            loaded[name] = path if isinstance(path, LoraAdapter) else load_adapter(path, config)
+        except ValidationError as e:
+            raise ValidationError(e.code, e.message, loc=("adapters", name)) from None
+    return loaded

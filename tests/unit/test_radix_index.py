@@ -134,3 +134,17 @@ def test_the_tree_keeps_its_invariant_under_any_operations(ops):
         check_invariant(cache)
     cache.clear()
     assert tree(cache) == "" and len(cache) == cache.bytes == 0
+
+
+def test_entries_serve_their_own_adapter_only():
+    """A query's K/V differ per LoRA adapter: an entry is found under its adapter alone, exact
+    or as a prefix, and a partial hit's length counts the sequence's tokens only."""
+    cache = PrefixCache(budget_bytes=100)
+    cache.put(tokens(1, 2, 3), "base", 1)
+    cache.put(tokens(1, 2, 3), "one", 1, adapter=1)
+    assert cache.lookup(tokens(1, 2, 3)) == Reuse("base", 3, exact=True)
+    assert cache.lookup(tokens(1, 2, 3), adapter=1) == Reuse("one", 3, exact=True)
+    assert cache.lookup(tokens(1, 2, 3), adapter=2) is None
+    assert cache.lookup(tokens(1, 2, 9), adapter=1) == Reuse("one", 2, exact=False)
+    assert cache.lookup(tokens(9), adapter=1) is None
+    assert cache.peek(tokens(1, 2), adapter=2) == 0

@@ -40,9 +40,14 @@ NO_BOS = validation.ModelFacts(tokenizer(bos=False), len(WORDS), 8)
 CLASSIFIER = validation.ModelFacts(tokenizer(), len(WORDS), 8, num_classes=2, pad_token_id=0)
 
 LABELS = {"label_token_ids": [8, 9]}
+LORA_LM = validation.ModelFacts(tokenizer(), len(WORDS), 8, adapters=("a",))
 SCORE_BAD = [
     # (code, param, query, items, options, model)
     ("invalid_query", "query", None, [[1]], LABELS, LM),
+    # An adapter the model has not loaded (LM has none; LORA_LM has one), or not a name.
+    ("unknown_adapter", "adapter", [1], [[1]], {**LABELS, "adapter": "a"}, LM),
+    ("unknown_adapter", "adapter", [1], [[1]], {**LABELS, "adapter": "b"}, LORA_LM),
+    ("unknown_adapter", "adapter", [1], [[1]], {**LABELS, "adapter": 1}, LORA_LM),
     ("invalid_query", "query", 3, [[1]], LABELS, LM),
     ("invalid_query", "query", np.ones((2, 2), np.int32), [[1]], LABELS, LM),
     ("invalid_query", "query", [1, "a"], [[1]], LABELS, LM),
@@ -300,7 +305,7 @@ def test_score_options_are_declared_once_and_refuse_unknown_names():
     assert ("query", "items", *ScoreOptions.names()) == SCORE_ARGUMENTS
     assert ScoreOptions.names() == (
         "label_token_ids", "labels", "apply_softmax", "item_first", "item_suffix",
-        "max_item_tokens", "truncate",
+        "max_item_tokens", "truncate", "adapter",
     )  # fmt: skip
     assert ScoreOptions.from_mapping({"labels": ["yes"]}) == ScoreOptions(labels=["yes"])
     with pytest.raises(ValidationError) as raised:
@@ -324,3 +329,10 @@ def test_an_error_located_inside_a_batch_names_both():
     assert repr(error) == (
         "ValidationError(code='invalid_query', loc=('query',), message='query must be a str')"
     )
+
+
+def test_an_adapter_name_becomes_its_stack_index():
+    options = ScoreOptions(label_token_ids=[8], adapter="b")
+    lora = validation.ModelFacts(tokenizer(), len(WORDS), 8, adapters=("a", "b"))
+    assert validation.validate([1], [[3]], options, lora).adapter == 2
+    assert validation.validate([1], [[3]], attrs_evolve(options, adapter=None), lora).adapter == 0

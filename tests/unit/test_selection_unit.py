@@ -1,6 +1,7 @@
 """Selection over fake priced work: the least time among the fitting, eligible candidates; the
 fallback when nothing fits (compiles nothing)."""
 
+import attrs
 from contract_fakes import FakeBackend, FakePool, request
 
 from tpuscore.backends import registry
@@ -53,3 +54,27 @@ def test_interpret_mode_is_not_eligible_on_cpu():
     plan = selection.CostModel(built_in("cpu"), platform="cpu").plan(batches(), FakePool(fakes))
     assert not plan["packed_segment"].eligible
     assert plan.pick != "packed_segment"
+
+
+def test_a_request_with_an_adapter_goes_only_to_backends_that_run_them(monkeypatch):
+    """A candidate without `Capabilities.adapters` is not eligible for a batch holding an
+    adapter's rows, however cheap; the same batch without one may go to it."""
+    name = registry.candidates()[0]
+    reg = registry.registration(name)
+    monkeypatch.setitem(
+        registry._REGISTRY, name, attrs.evolve(reg, capabilities=attrs.evolve(
+            reg.capabilities, adapters=False))
+    )  # fmt: skip
+    fakes = {n: FakeBackend(flops=10.0) for n in registry.candidates()}
+    fakes[name] = FakeBackend(flops=0.001)
+    adapted = [g.batch for g in planning.group([attrs.evolve(request([1, 2], [[3]]), adapter=1)])]
+    assert adapted[0].adapter == 1
+    plan = cost_model().plan(adapted, FakePool(fakes))
+    assert not plan[name].eligible and plan.pick != name
+    assert cost_model().plan(batches(), FakePool(fakes)).pick == name
+
+
+def test_one_query_under_two_adapters_is_two_groups():
+    same = request([1, 2], [[3]])
+    groups = planning.group([same, attrs.evolve(same, adapter=2), same])
+    assert [(g.batch.adapter, g.members) for g in groups] == [(0, (0, 2)), (2, (1,))]

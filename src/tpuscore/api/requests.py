@@ -43,6 +43,8 @@ class ScoreOptions:
         max_item_tokens: truncate each item to this many of its own tokens (the suffix is not
             counted and never cut); None: a too-long sequence is an error.
         truncate: "right" keeps an item's first max_item_tokens tokens, "left" its last.
+        adapter: the name of one of the scorer's LoRA adapters (`Scorer(adapters=...)`) to score
+            with; None: the base model.
     """
 
     label_token_ids: list[int] | None = None
@@ -52,6 +54,7 @@ class ScoreOptions:
     item_suffix: str | list[int] | None = None
     max_item_tokens: int | None = None
     truncate: Truncate = "right"
+    adapter: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -137,7 +140,8 @@ SCORE_ARGUMENTS = ("query", "items", *ScoreOptions.names())
 @attrs.frozen
 class ScoreRequest:
     """A validated request as token ids. For a classification model (`classification`),
-    label_ids are the class indices 0..num_labels-1 and the scores are class logits."""
+    label_ids are the class indices 0..num_labels-1 and the scores are class logits. adapter:
+    the index of its LoRA adapter in the model's stack (1..count), 0 for the base model."""
 
     query: list[int]
     items: list[list[int]]
@@ -145,6 +149,7 @@ class ScoreRequest:
     item_first: bool
     apply_softmax: bool
     classification: bool = False
+    adapter: int = 0
 
 
 @attrs.frozen

@@ -34,7 +34,8 @@ class ModelFacts:
 
     num_classes > 0: the model has a classification head with that many classes; it takes no
     labels and scores every class. pad_token_id: that model's padding token, which moves the
-    pooled token as transformers moves it (`_pooled`).
+    pooled token as transformers moves it (`_pooled`). adapters: the names of the model's LoRA
+    adapters, in stack order (a request's `adapter` is one of them, or None).
     """
 
     tokenizer: tokenizers.Tokenizer | None
@@ -42,6 +43,7 @@ class ModelFacts:
     max_sequence_length: int
     num_classes: int = 0
     pad_token_id: int | None = None
+    adapters: tuple[str, ...] = ()
 
 
 def _is_token_list(value: Any) -> bool:
@@ -160,6 +162,7 @@ def validate(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -
     """Check a `Scorer.score` call (its query, items and `ScoreOptions`) for `model` and turn it
     into token ids."""
     tokenizer, vocab_size, num_classes = model.tokenizer, model.vocab_size, model.num_classes
+    adapter = adapter_index(options.adapter, model.adapters)
     _check_bool(options.apply_softmax, "apply_softmax")
     _check_bool(options.item_first, "item_first")
     max_item_tokens, truncate = options.max_item_tokens, options.truncate
@@ -223,6 +226,20 @@ def validate(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -
         bool(options.item_first),
         bool(options.apply_softmax),
         classification=bool(num_classes),
+        adapter=adapter,
+    )
+
+
+def adapter_index(name: Any, adapters: tuple[str, ...], param: str = "adapter") -> int:
+    """The stack index of adapter `name` (1..len(adapters)); None is the base model, 0.
+    Anything else is `unknown_adapter`, naming the adapters there are."""
+    if name is None:
+        return 0
+    if isinstance(name, str) and name in adapters:
+        return adapters.index(name) + 1
+    known = ", ".join(map(repr, adapters)) if adapters else "none (Scorer(adapters=...) adds them)"
+    raise ValidationError(
+        "unknown_adapter", f"adapter {short(name)} is not loaded; the adapters are {known}", param
     )
 
 

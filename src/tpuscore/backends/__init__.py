@@ -40,6 +40,7 @@ register(
     batch_invariant=True,
     fixed_rule={False},
     loglikelihood=True,
+    adapters=True,
 )
 register(
     "packed_segment",
@@ -48,8 +49,16 @@ register(
     item_first=False,
     compiled_on={"tpu", "gpu"},  # a Mosaic TPU and a Triton kernel; on CPU, interpret mode
     auto=True,
+    adapters=True,
 )
-register("packed_dense", PackedDenseBackend, options=PackedOptions, item_first=False, auto=True)
+register(
+    "packed_dense",
+    PackedDenseBackend,
+    options=PackedOptions,
+    item_first=False,
+    auto=True,
+    adapters=True,
+)
 register(
     "serial",
     SerialBackend,
@@ -58,6 +67,7 @@ register(
     batch_invariant=True,
     fixed_rule={True},
     fallback=True,
+    adapters=True,
 )
 # The oracle, never auto's pick; one sequence at a time, so invariant as it is.
 register("reference", ReferenceBackend, batch_invariant=True)

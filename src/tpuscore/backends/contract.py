@@ -40,7 +40,9 @@ from tpuscore.parallel.sharding import to_host
 class ScoreBatch:
     """A validated request. Rows at or past `num_items` and labels past `num_labels` are padding.
 
-    query [Q], items [I, L], item_lens [I], label_ids [C]; all int32, zero-padded.
+    query [Q], items [I, L], item_lens [I], label_ids [C]; all int32, zero-padded. adapter: the
+    LoRA adapter every row runs under (`Model.adapters` index; 0: none), which only backends
+    with `Capabilities.adapters` are handed.
     """
 
     query: np.ndarray
@@ -51,6 +53,7 @@ class ScoreBatch:
     label_ids: np.ndarray
     num_labels: int
     item_first: bool
+    adapter: int = 0
 
     def sequence(self, i: int) -> np.ndarray:
         """The tokens scored for item i: query + item, or item + query with item_first."""
@@ -64,7 +67,11 @@ class ScoreBatch:
 
 
 def make_batch(
-    query: Sequence[int], items: Sequence[Sequence[int]], label_ids: Sequence[int], item_first: bool
+    query: Sequence[int],
+    items: Sequence[Sequence[int]],
+    label_ids: Sequence[int],
+    item_first: bool,
+    adapter: int = 0,
 ) -> ScoreBatch:
     """Pad validated token ids to bucket shapes."""
     n = len(items)
@@ -87,6 +94,7 @@ def make_batch(
         label_ids=labels_arr,
         num_labels=len(label_ids),
         item_first=item_first,
+        adapter=adapter,
     )
 
 

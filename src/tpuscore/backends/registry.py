@@ -42,7 +42,9 @@ class Capabilities:
     fixed_rule: the item_first values for which `planning.FixedRule` (auto's rule in
     batch-invariant mode) picks it. fallback: auto's pick where no candidate fits its budget,
     and for item_first requests. loglikelihood: it has loglikelihood plans
-    (`contract.LoglikelihoodBackend`), which `Scorer.loglikelihood` runs."""
+    (`contract.LoglikelihoodBackend`), which `Scorer.loglikelihood` runs. adapters: it runs
+    each row under its batch's LoRA adapter (`ScoreBatch.adapter`, `Model.row_adapters`); a
+    backend without it is never handed a batch with one (`check_capabilities`, auto)."""
 
     item_first: bool = True
     compiled_on: frozenset[str] = PLATFORMS
@@ -51,6 +53,7 @@ class Capabilities:
     fixed_rule: frozenset[bool] = frozenset()
     fallback: bool = False
     loglikelihood: bool = False
+    adapters: bool = False
 
     def compiled(self, platform: str) -> bool:
         return platform in self.compiled_on
@@ -79,6 +82,7 @@ def register(
     fixed_rule: frozenset[bool] | set[bool] = frozenset(),
     fallback: bool = False,
     loglikelihood: bool = False,
+    adapters: bool = False,
 ) -> None:
     """Make `factory` selectable as `backend=name`; registering a name again replaces it.
 
@@ -99,6 +103,8 @@ def register(
             a scorer in that mode refuses it (`ValidationError`, "batch_invariant_unsupported").
         fixed_rule, fallback, loglikelihood: `Capabilities`' (the built-in backends' roles in
             auto's rules, and the one that runs `Scorer.loglikelihood`).
+        adapters: whether it runs requests with a LoRA adapter (`Capabilities.adapters`); if
+            not, they are refused with `ValidationError(code="adapter_unsupported")`.
 
     Raises:
         ValueError: a bad name, options class or platform. TypeError: a factory that is not
@@ -124,6 +130,7 @@ def register(
         frozenset(bool(x) for x in fixed_rule),
         bool(fallback),
         bool(loglikelihood),
+        bool(adapters),
     )
     _REGISTRY[name] = Registration(name, factory, options, capabilities)
 
@@ -180,8 +187,23 @@ def backend_name(name: Any) -> str:
     return name
 
 
-def check_capabilities(name: str, item_first: bool, batch_invariant: bool = False) -> None:
-    """Refuse a request the backend cannot score (in batch-invariant mode, if it has none)."""
+def adapter_backends() -> list[str]:
+    """The backends that run requests with a LoRA adapter."""
+    return [n for n, r in _REGISTRY.items() if r.capabilities.adapters]
+
+
+def check_capabilities(
+    name: str, item_first: bool, batch_invariant: bool = False, adapter: bool = False
+) -> None:
+    """Refuse a request the backend cannot score (in batch-invariant mode, if it has none;
+    adapter: the request runs under a LoRA adapter)."""
+    if adapter and not registration(name).capabilities.adapters:
+        raise ValidationError(
+            "adapter_unsupported",
+            f"backend {name!r} does not run LoRA adapters; use one of "
+            f"{', '.join([AUTO, *adapter_backends()])}, or no adapter",
+            "backend",
+        )
     if batch_invariant and not registration(name).capabilities.batch_invariant:
         supported = [n for n in available() if registration(n).capabilities.batch_invariant]
         raise ValidationError(

@@ -32,6 +32,7 @@ from tpuscore.backends.contract import (
     step_table,
 )
 from tpuscore.models import decoder
+from tpuscore.models.adapters import RowAdapters
 from tpuscore.models.attention import attend, within_window
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.model import Model
@@ -66,8 +67,10 @@ def score_sequences(
     lengths: jax.Array,
     label_ids: jax.Array,
     config: ModelConfig,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
-    """Label logprobs [B, C] at the last real token of each right-padded row of tokens [B, T].
+    """Label logprobs [B, C] at the last real token of each right-padded row of tokens [B, T],
+    each row under its own LoRA adapter (`adapters`; None: the base model).
 
     Rows of length 0 are padding; their output is meaningless and dropped by the caller.
     """
@@ -79,9 +82,9 @@ def score_sequences(
         window = within_window(positions, positions, layer.window)
         return attend(q, k, v, causal & window, layer)
 
-    hidden = decoder.forward(params, config, tokens, positions, attention)
+    hidden = decoder.forward(params, config, tokens, positions, attention, adapters)
     last = hidden[jnp.arange(B), jnp.maximum(lengths - 1, 0)]
-    return decoder.label_logprobs(params, config, last, label_ids)
+    return decoder.label_logprobs(params, config, last, label_ids, adapters)
 
 
 def serial_row_bytes(config: ModelConfig, length: int) -> int:
@@ -200,6 +203,7 @@ class SerialBackend(Scoring, Budgeted):
                 layout.put_rows(lengths),
                 batch.label_ids,
                 config=self.model.config,
+                adapters=self.model.row_adapters(np.full(step.rows, batch.adapter)),
             ),
         )
 
@@ -217,7 +221,8 @@ class SerialBackend(Scoring, Budgeted):
             put(np.zeros(rows, np.int32)),
             np.zeros(width, np.int32),
         )
-        return args, {"config": self.model.config}
+        adapters = self.model.row_adapters(np.zeros(rows, np.int32))
+        return args, {"config": self.model.config, "adapters": adapters}
 
     def shapes(self, limits: ShapeLimits) -> set[StepShape]:
         """Every step shape this backend can compile for requests within `limits`, on its

@@ -34,15 +34,34 @@ def load_scorer(args: argparse.Namespace):
             compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
             batch_invariant=args.batch_invariant,
             score_calibration=getattr(args, "score_calibration", None),
+            adapters=parse_adapters(getattr(args, "adapter", None)),
         )
     except ValidationError as e:
         flag = f"--backend {args.backend}"
         if e.param == "score_calibration":  # a calibration file refused for this model
             flag = "--score-calibration"
+        elif e.loc[:1] == ("adapters",):  # an adapter that does not load or fit the model
+            flag = f"--adapter {e.loc[1]}" if len(e.loc) > 1 else "--adapter"
         raise InputError(f"{flag}: {e}") from None
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
+
+
+def parse_adapters(values: list[str] | None) -> dict[str, str] | None:
+    """--adapter NAME=PATH flags as `Scorer(adapters=)` takes them; a malformed or repeated
+    name is bad input."""
+    if not values:
+        return None
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"--adapter {value!r}: expected NAME=PATH")
+        if name in adapters:
+            raise InputError(f"--adapter {name!r} is given twice")
+        adapters[name] = path
+    return adapters
 
 
 def parse_mesh(text: str | None):

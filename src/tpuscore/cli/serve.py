@@ -8,7 +8,7 @@ import sys
 
 import attrs
 
-from tpuscore.cli.common import EnvironmentProblem, InputError, load_scorer
+from tpuscore.cli.common import EnvironmentProblem, InputError, load_scorer, parse_adapters
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,6 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--host", default="127.0.0.1", help="default 127.0.0.1: this machine only")
     add("--port", type=int, default=8000)
     add("--served-model-name", help="the name /v1/models lists and responses carry")
+    add(
+        "--adapter",
+        action="append",
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter directory served as model NAME (repeatable): a request's "
+        '"model": NAME scores with it, /v1/models lists it (docs/adapters.md)',
+    )
     add(
         "--rerank-template",
         default="plain",
@@ -192,6 +199,7 @@ def run_replicas(args: argparse.Namespace, server) -> int:
             "profile": args.profile,
             "batch_invariant": args.batch_invariant,
             "compilation_cache_dir": cache,
+            **({"adapters": parse_adapters(args.adapter)} if args.adapter else {}),
         },
         app_options={
             "model_name": args.served_model_name or server.model_name(args.model),

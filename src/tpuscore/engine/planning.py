@@ -1,10 +1,14 @@
 """Planning a call: group validated requests, pick their backends, split the output back.
 
-Requests that share a query, labels and item_first form one `Group`, so their items fill batches
-together and the query runs once. A `Selector` names the backend "auto" runs for a call's groups
-(by default `selection.CostModel`, by estimated time and memory, which hands back the plan it
-priced), and each backend gets its groups in one `Call` with that backend's plan, built once:
-priced, checked against the device's memory and run as it is.
+Requests that share a query, labels, item_first and LoRA adapter form one `Group`, so their
+items fill batches together and the query runs once (under its adapter: a query's K/V differ
+per adapter). Groups of different adapters still share a backend call, and its device steps
+where the backend mixes groups in a step (each row its own adapter).
+
+A `Selector` names the backend "auto" runs for a call's groups (by default
+`selection.CostModel`, by estimated time and memory, which hands back the plan it priced), and
+each backend gets its groups in one `Call` with that backend's plan, built once: priced,
+checked against the device's memory and run as it is.
 """
 
 from __future__ import annotations
@@ -39,14 +43,19 @@ def group(requests: Sequence[ScoreRequest]) -> list[Group]:
     keys: dict[tuple, list[int]] = {}
     for i, request in enumerate(requests):
         if request.items:
-            key = (tuple(request.query), tuple(request.label_ids), request.item_first)
+            key = (
+                tuple(request.query),
+                tuple(request.label_ids),
+                request.item_first,
+                request.adapter,
+            )
             keys.setdefault(key, []).append(i)
     groups = []
-    for (query, label_ids, item_first), members in keys.items():
+    for (query, label_ids, item_first, adapter), members in keys.items():
         items = [item for i in members for item in requests[i].items]
         groups.append(
             Group(
-                batch=make_batch(query, items, label_ids, item_first),
+                batch=make_batch(query, items, label_ids, item_first, adapter),
                 members=tuple(members),
                 counts=tuple(len(requests[i].items) for i in members),
                 item_tokens=tuple(sum(map(len, requests[i].items)) for i in members),
@@ -114,7 +123,9 @@ def plan(
                 picks.append((selector.select([g.batch for g in members], pool), members))
     for choice, members in picks:
         for g in members:
-            registry.check_capabilities(picked(choice), g.batch.item_first, batch_invariant)
+            registry.check_capabilities(
+                picked(choice), g.batch.item_first, batch_invariant, adapter=g.batch.adapter != 0
+            )
     calls = []
     for choice, members in picks:
         name = picked(choice)

@@ -111,6 +111,7 @@ class Engine:
             config.max_position_embeddings,
             config.num_labels,
             config.pad_token_id,
+            self.model.adapter_names,
         )
 
     def prepare_request(
@@ -122,7 +123,7 @@ class Engine:
         prepared = self.prepare(query, items, options)
         name = self.backend_name(backend)
         if name != registry.AUTO:  # "auto" picks per group, at run time, one that can
-            registry.check_capabilities(name, prepared.item_first)
+            registry.check_capabilities(name, prepared.item_first, adapter=prepared.adapter != 0)
         return prepared
 
     def prepare_batch(

@@ -100,11 +100,14 @@ class CostModel:
     ) -> tuple[Plan, dict[str, tuple[contract.Plan, tuple[work.StepWork, ...]]]]:
         """`plan`, and each candidate's plan with its priced steps."""
         item_first = any(b.item_first for b in batches)
+        adapter = any(b.adapter for b in batches)
         estimates, priced = [], {}
         for name in registry.candidates():
             capabilities = registry.registration(name).capabilities
-            eligible = capabilities.compiled(self.platform) and (
-                capabilities.item_first or not item_first
+            eligible = (
+                capabilities.compiled(self.platform)
+                and (capabilities.item_first or not item_first)
+                and (capabilities.adapters or not adapter)
             )
             if eligible or not eligible_only:
                 backend = pool.get(name)

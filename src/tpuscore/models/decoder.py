@@ -402,11 +402,18 @@ def label_logprobs(
 
 
 def row_label_logprobs(
-    params: Params, config: ModelConfig, hidden: jax.Array, label_ids: jax.Array
+    params: Params,
+    config: ModelConfig,
+    hidden: jax.Array,
+    label_ids: jax.Array,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """log P(label) [B, I, C] from hidden states [B, I, D], with labels per row [B, C] (class
-    logits for a classification model, as `label_logprobs`)."""
+    logits for a classification model, as `label_logprobs`; adapters: one index per row)."""
     B, slots, D = hidden.shape
-    logprobs = _head(params, config, hidden.reshape(B * slots, D)).reshape(B, slots, -1)
+    if adapters is not None:  # one index per scored position: each row's, repeated
+        adapters = adapters._replace(index=jnp.repeat(adapters.index, slots))
+    flat = _head(params, config, hidden.reshape(B * slots, D), adapters)
+    logprobs = flat.reshape(B, slots, -1)
     index = jnp.broadcast_to(label_ids[:, None, :], (B, slots, label_ids.shape[1]))
     return jnp.take_along_axis(logprobs, index, axis=2)

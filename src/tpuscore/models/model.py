@@ -3,6 +3,7 @@ and the layout that places them and the backends' arrays (`tpuscore.parallel.sha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpuscore.models.adapters import AdapterStack, LoraAdapter, RowAdapters, stack_adapters
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, bits_as_bfloat16, layers_as_bits
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
@@ -63,7 +65,8 @@ class Model:
     uint16 bits (`weights.layers_as_bits`; `weights` has them in their own dtypes). precision is
     the mode's name (`resolve_precision`), dtype its `base_dtype`: that of attention and the
     K/V. platform: where it runs ("cpu", "gpu", "tpu"), resolved once from its layout; what
-    reads the platform reads it here."""
+    reads the platform reads it here. adapters: its LoRA adapters stacked (`models/adapters.py`),
+    or None; adapter_names: their names, adapter i + 1 of the stack named adapter_names[i]."""
 
     config: ModelConfig
     params: Params
@@ -71,13 +74,20 @@ class Model:
     layout: Layout = ONE_DEVICE
     precision: str = "float32"
     platform: str = attrs.field(kw_only=True, factory=jax.default_backend)
+    adapters: AdapterStack | None = attrs.field(kw_only=True, default=None)
+    adapter_names: tuple[str, ...] = attrs.field(kw_only=True, default=())
 
     @classmethod
     def build(
-        cls, config: ModelConfig, params: Params, dtype: Any = None, layout: Layout = ONE_DEVICE
+        cls,
+        config: ModelConfig,
+        params: Params,
+        dtype: Any = None,
+        layout: Layout = ONE_DEVICE,
+        adapters: Mapping[str, LoraAdapter] | None = None,
     ) -> Model:
         """Put params on device in the precision `dtype` names (see `resolve_precision`), placed
-        by `layout`."""
+        by `layout`; adapters (name -> loaded adapter), stacked once, in their order."""
         precision = resolve_precision(dtype)
         if precision == MIXED:
             placed = layout.put_params(_mixed(params), None)
@@ -86,7 +96,20 @@ class Model:
         platform = layout.platform
         if platform == "cpu":
             placed = layers_as_bits(placed)
-        return cls(config, placed, base_dtype(precision), layout, precision, platform=platform)
+        stack = stack_adapters(list(adapters.values()), config) if adapters else None
+        return cls(
+            config, placed, base_dtype(precision), layout, precision, platform=platform,
+            adapters=stack, adapter_names=tuple(adapters or ()),
+        )  # fmt: skip
+
+    def row_adapters(self, index: np.ndarray) -> RowAdapters | None:
+        """What a jitted step takes for rows whose adapters are `index` [B] (0: none), placed as
+        the rows are; None where the model has no adapters (the decoder's plain path). A model
+        with adapters passes them for every step, base rows included, so the set of compiled
+        shapes does not depend on which adapters a batch holds."""
+        if self.adapters is None:
+            return None
+        return RowAdapters(self.adapters, self.layout.put_rows(np.asarray(index, np.int32)))
 
     @property
     def weights(self) -> Params:

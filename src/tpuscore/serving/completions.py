@@ -42,7 +42,11 @@ PATH = "/v1/completions"
 class CompletionRequest(WireRequest):
     """OpenAI's completions request, for scoring (max_tokens 0 or 1)."""
 
-    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    model: str | None = Field(
+        None,
+        description="the served model's name (or null); a LoRA adapter's is refused: prompt "
+        "log-probabilities run on the base model only",
+    )
     prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]] = Field(
         description="text, token ids, or a list of either: one choice per prompt"
     )
@@ -214,6 +218,13 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     from tpuscore.serving.app import JSONResponse
 
     _refuse_generation(body)
+    if service.adapter(body.model) is not None:  # an unknown name is model_not_found first
+        raise ValidationError(
+            "adapter_unsupported",
+            f"model {body.model!r} is a LoRA adapter; prompt log-probabilities "
+            "(/v1/completions) run on the base model only: name it or leave model out",
+            "model",
+        )
     scorer = service.scorer
     prompts = body.prompt
     if isinstance(prompts, str) or (isinstance(prompts, list) and all(map(_is_id, prompts))):

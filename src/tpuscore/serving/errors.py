@@ -66,8 +66,9 @@ async def request_invalid(request: Request, exc: RequestValidationError) -> Resp
 
 
 async def input_refused(request: Request, exc: ValidationError) -> Response:
-    """400, or 413 for a request past a size bound."""
-    status = 413 if exc.code in SIZE_CODES else 400
+    """400, 413 for a request past a size bound, 404 for a `model` the server does not serve
+    (vLLM's answer to an unknown model or LoRA module)."""
+    status = 413 if exc.code in SIZE_CODES else 404 if exc.code == "model_not_found" else 400
     return dialects.error_response(request.scope, status, exc.code, str(exc), exc.param)
 
 

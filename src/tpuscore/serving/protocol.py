@@ -50,8 +50,16 @@ TPUSCORE_CODES = frozenset(
 )
 
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
-# set them from the template and `max_tokens_per_doc`.
-SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
+# set them from the template and `max_tokens_per_doc`. The adapter is the `model` field, as vLLM
+# names LoRA modules (`Service.adapter`).
+SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate", "adapter")
+
+# The `model` field of the scoring requests: it picks a LoRA adapter, as vLLM's LoRA modules are
+# picked (`Service.adapter`).
+MODEL_DOC = (
+    "the served model's name (or null): the base model; a LoRA adapter's name (GET /v1/models "
+    "lists them): that adapter; any other name is refused (404)"
+)
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -184,7 +192,7 @@ class ScoreRequest(_ScoreArgumentsAndOptions):
         }
     )
 
-    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    model: str | None = Field(None, description=MODEL_DOC)
     embed_override_token_id: DefaultOnly = default_only(None, "SGLang's; accepted only as null")
     query_embed_overrides: DefaultOnly = default_only(None, "SGLang's; accepted only as null")
     item_embed_overrides: DefaultOnly = default_only(None, "SGLang's; accepted only as null")
@@ -245,7 +253,7 @@ class _RerankFields(WireRequest):
         }
     )
 
-    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    model: str | None = Field(None, description=MODEL_DOC)
     query: str
     documents: list[Document] = Field(description='strings, or {"text": string} objects')
     top_n: Annotated[int, Field(ge=0)] | None = Field(
@@ -388,7 +396,7 @@ TextOrTexts = Annotated[
 
 
 class _VllmScoreFields(WireRequest):
-    model: str | None = Field(None, description="accepted, not checked: one server, one model")
+    model: str | None = Field(None, description=MODEL_DOC)
     truncate_prompt_tokens: DefaultOnly = default_only(None, "vLLM's; accepted only as null")
     priority: DefaultOnly = default_only(0, "vLLM's; accepted only as 0")
     use_activation: DefaultOnly = default_only(None, "vLLM's; accepted only as null")

@@ -48,7 +48,10 @@ class RerankEndpoints:
             prompt_tokens=result.num_tokens, total_tokens=result.num_tokens
         )
         response = responses.RerankResponse(
-            id=f"rerank-{uuid.uuid4().hex}", model=self.model_name, usage=usage, results=results
+            id=f"rerank-{uuid.uuid4().hex}",
+            model=body.model if body.model in self.scorer.adapters else self.model_name,
+            usage=usage,
+            results=results,
         )
         return JSONResponse(response.model_dump(exclude_none=True))  # no document: no key
 
@@ -90,6 +93,7 @@ class RerankEndpoints:
         template's words around it are not the document's). With fit, each rendered document is
         also cut to what fits beside the query (Cohere's v2 behaviour) instead of failing
         sequence_too_long."""
+        adapter = self.adapter(body.model)
         docs = body.documents
         bounds.check_size(
             self.limits,
@@ -128,6 +132,7 @@ class RerankEndpoints:
                 item_suffix=t.item_suffix,
                 max_item_tokens=max_tokens,
                 truncate="right",
+                adapter=adapter,
             )
         except ValidationError as e:
             e = e if chunks is None else chunked.located(e, chunks)

@@ -193,6 +193,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tpuscore"
+    root: str | None = None  # the base model (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base; None for the base itself
     max_model_len: int
 
 

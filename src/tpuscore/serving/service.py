@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
 from tpuscore.serving import dialects, guards, protocol, responses
@@ -97,6 +98,23 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
                 param,
             )
         return self.scorer.tokenizer
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` field names, as vLLM serves LoRA modules: None
+        (the base) for no model or the served model's name, else one of the scorer's adapters.
+        Any other name is `model_not_found` (404) where adapters are loaded; without adapters
+        the field is accepted unchecked, as before adapters (one server, one model: clients
+        send names such as "default")."""
+        if model is None or model == self.model_name or not self.scorer.adapters:
+            return None
+        if model in self.scorer.adapters:
+            return model
+        served = ", ".join(repr(m) for m in [self.model_name, *self.scorer.adapters])
+        raise ValidationError(
+            "model_not_found",
+            f"the model {short(model)} does not exist; this server serves {served}",
+            "model",
+        )
 
     async def health(self) -> Response:
         """`ok` once the model is loaded."""

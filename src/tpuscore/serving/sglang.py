@@ -17,6 +17,7 @@ class SglangEndpoints:
         """SGLang's scoring: P(label | query + item) for each item and label; on a classification
         model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
         class) with apply_softmax, as SGLang scores SequenceClassification models."""
+        adapter = self.adapter(body.model)
         items = [body.items] if isinstance(body.items, str) else body.items
         bounds.check_size(
             self.limits,
@@ -25,12 +26,12 @@ class SglangEndpoints:
             num_labels=bounds.label_count(body.labels, body.label_token_ids),
         )
         result = await self.scored(
-            request, query=body.query, items=items, **protocol.score_options(body)
+            request, query=body.query, items=items, adapter=adapter, **protocol.score_options(body)
         )
         self.metrics.scored(request.url.path, len(items), result)
         response = responses.ScoreResponse(
             scores=result.scores.tolist(),
-            model=self.model_name,
+            model=adapter or self.model_name,
             usage=responses.Usage.of(result.num_tokens),
             calibrated=responses.calibrated(result),
         )

@@ -35,6 +35,7 @@ class VllmEndpoints:
     ) -> Response:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""
+        adapter = self.adapter(body.model)
         pairs = body.pairs()
         first, second = body.SIDES
         queries = [query for query, _ in pairs]
@@ -60,7 +61,9 @@ class VllmEndpoints:
             )
         groups = list(by_query.items())
         results = await all_or_none(
-            self.relevance(request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes)
+            self.relevance(
+                request, query, [pairs[i][1] for i in indexes], body.SIDES, indexes, adapter
+            )
             for query, indexes in groups
         )
         scores = [0.0] * len(pairs)
@@ -73,7 +76,7 @@ class VllmEndpoints:
         response = responses.VllmScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=self.model_name,
+            model=adapter or self.model_name,
             data=[responses.VllmScoreData(index=i, score=s) for i, s in enumerate(scores)],
             usage=responses.VllmUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
@@ -86,10 +89,12 @@ class VllmEndpoints:
         docs: list[str],
         sides: tuple[str, str],
         indexes: list[int],
+        adapter: str | None = None,
     ):
         """The ScoreResult of docs against query under the server's template and labels, which
-        `ranking.rank_result` turns into the relevance scores a rerank gives. An error names the
-        wire's fields, a document by its pair's index (docs[j] is pair indexes[j])."""
+        `ranking.rank_result` turns into the relevance scores a rerank gives, under `adapter`
+        (None: the base). An error names the wire's fields, a document by its pair's index
+        (docs[j] is pair indexes[j])."""
         t = self.template
         try:
             return await self.scored(
@@ -98,6 +103,7 @@ class VllmEndpoints:
                 items=[t.render_item(doc) for doc in docs],
                 labels=self.labels,
                 item_suffix=t.item_suffix,
+                adapter=adapter,
             )
         except ValidationError as e:
             if e.loc[:1] == ("items",) and len(e.loc) > 1 and isinstance(e.loc[1], int):
@@ -137,13 +143,18 @@ class VllmEndpoints:
         return JSONResponse(responses.DetokenizeResponse(prompt=prompt).model_dump())
 
     async def models(self) -> Response:
-        """The one model this server serves."""
-        card = responses.ModelCard(
-            id=self.model_name,
-            created=self.created,
-            max_model_len=self.scorer.config.max_position_embeddings,
-        )
-        return JSONResponse(responses.ModelList(data=[card]).model_dump())
+        """The model this server serves, then its LoRA adapters, each with `parent` (and `root`)
+        the base, as vLLM lists LoRA modules."""
+        common = {
+            "created": self.created,
+            "max_model_len": self.scorer.config.max_position_embeddings,
+        }
+        cards = [responses.ModelCard(id=self.model_name, root=self.model_name, **common)]
+        cards += [
+            responses.ModelCard(id=name, root=self.model_name, parent=self.model_name, **common)
+            for name in self.scorer.adapters
+        ]
+        return JSONResponse(responses.ModelList(data=cards).model_dump())
 
 
 async def all_or_none(works: Iterable[Awaitable[T]]) -> list[T]:

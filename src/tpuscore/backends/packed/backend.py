@@ -20,6 +20,7 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
 
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
@@ -128,6 +129,8 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
                 tokens,
             )
             put = self.model.layout.put_rows
+            row_adapters = np.zeros(step.rows, np.int32)  # padding rows: none
+            row_adapters[: len(groups)] = [batches[g].adapter for g in groups]
             logprobs = self.score_packed(
                 self.model.params,
                 put(packed.tokens),
@@ -140,6 +143,7 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
                 block_sizes=self.block_sizes,
                 layout=self.model.layout,
                 interpret=self.interpret,
+                adapters=self.model.row_adapters(row_adapters),
             )
             for r, (g, rows) in enumerate(step.chunks):
                 out.scores(g, rows, logprobs, index=r)

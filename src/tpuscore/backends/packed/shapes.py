@@ -37,6 +37,7 @@ class PackedStepShapes:
             "block_sizes": self.block_sizes,
             "layout": self.model.layout,
             "interpret": self.interpret,
+            "adapters": self.model.row_adapters(zeros(rows)),
         }
         return args, kwargs
 

@@ -13,6 +13,7 @@ from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.mask import segment_mask
 from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models import decoder
+from tpuscore.models.adapters import RowAdapters
 from tpuscore.models.attention import NO_WINDOW, attend, within_window
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
@@ -34,6 +35,7 @@ def score_packed(
     block_sizes: BlockSizes | GpuBlockSizes | None,
     layout: Layout = ONE_DEVICE,
     interpret: bool | None = None,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
     with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
@@ -42,7 +44,7 @@ def score_packed(
     whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one), run
     on each device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
     in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
-    False).
+    False). adapters: each packed row's LoRA adapter (a row holds one query's items), or None.
     """
     B, T = tokens.shape
     if block_sizes is None:
@@ -67,6 +69,6 @@ def score_packed(
             o = layout.over_shards(kernel)(q, k, v, prefix_len, seg_start, window)
             return o.swapaxes(1, 2)
 
-    hidden = decoder.forward(params, config, tokens, positions, attention)
+    hidden = decoder.forward(params, config, tokens, positions, attention, adapters)
     scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
-    return decoder.row_label_logprobs(params, config, scored, label_ids)
+    return decoder.row_label_logprobs(params, config, scored, label_ids, adapters)

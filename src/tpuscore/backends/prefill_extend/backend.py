@@ -12,6 +12,10 @@ prefill together, one query per row, and the items each group leaves over after 
 its own share extend steps, where each row attends to its own query's K/V gathered per row.
 A step whose rows share one query keeps the shared-prefix matmul.
 
+With LoRA adapters (`Model.adapters`), every step runs each row under its group's adapter: a
+query's K/V are prefilled under its adapter and cached under it (the prefix cache's key holds the
+adapter), and rows of different adapters share extend steps as rows of different queries do.
+
 `plan` (plan.py) gives a call's waves of groups, each with its prefill and extend steps; `run`
 runs those steps and `price` prices the same ones, so what is priced is what runs. The jitted
 steps are in steps.py, the step table and the shape set in shapes.py.
@@ -241,7 +245,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 resized = self._resized(base._replace(length=np.int32(start)), bucket_prefix(n))
                 current[i] = place(resized)
         for step in wave.prefill:
-            advanced = self._prefill_step(wave.queries, step, current, out, owners)
+            advanced = self._prefill_step(wave, step, current, out, owners)
             for chunk, prefix in zip(step.chunks, advanced, strict=True):
                 i = chunk.query
                 if chunk.stop < len(wave.queries[i]):
@@ -249,13 +253,21 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 else:
                     prefixes[i] = prefix = place(prefix)
                     nbytes = sum(a.nbytes for a in (prefix.k, prefix.v, prefix.last_hidden))
-                    self.cache.put(wave.queries[i], prefix, nbytes)
+                    self.cache.put(wave.queries[i], prefix, nbytes, adapter=self._adapter(wave, i))
         return prefixes
 
-    def _prefill_step(self, queries, step: PrefillStep, current, out, owners) -> list[Prefix]:
+    @staticmethod
+    def _adapter(wave: Wave, query: int) -> int:
+        """The adapter of a wave's query (loglikelihood's waves carry none: 0)."""
+        return wave.adapters[query] if wave.adapters else 0
+
+    def _prefill_step(self, wave: Wave, step: PrefillStep, current, out, owners) -> list[Prefix]:
         """Run one prefill step on the prefixes so far (`current`, by query); returns the
         advanced prefix of each of its chunks."""
-        layout = self.model.layout
+        layout, queries = self.model.layout, wave.queries
+        row_adapters = np.zeros(step.rows, np.int32)  # padding rows: none
+        row_adapters[: len(step.chunks)] = [self._adapter(wave, c.query) for c in step.chunks]
+        adapters = self.model.row_adapters(row_adapters)
         chunks = [queries[c.query][c.start : c.stop] for c in step.chunks]
         tokens = np.zeros((step.rows, step.length), np.int32)
         for r, chunk in enumerate(chunks):
@@ -272,6 +284,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 config=self.model.config,
                 size=step.size,
                 platform=self.model.platform,
+                adapters=adapters,
             )
             return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
@@ -286,6 +299,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
             layout.put_rows(counts),
             config=self.model.config,
             size=step.size,
+            adapters=adapters,
         )
         stacked = layout.put_prefix(stacked, stacked=True)  # as `warm` places it (on a mesh)
         return [self.unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]
@@ -306,6 +320,9 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
             width = min(step.item_len, batches[g].items.shape[1])  # groups pad to own buckets
             items[r, :width] = batches[g].items[i, :width]
         step_queries = sorted({query_of[w] for w in step.groups})
+        row_adapters = np.zeros(step.size, np.int32)  # padding rows: none
+        row_adapters[:n] = [batches[g].adapter for g in groups]
+        adapters = self.model.row_adapters(row_adapters)
         labels = stack_labels([batches[g].label_ids for g in groups], items.shape[0])
         size = max(prefixes[q].k.shape[-1] for q in step_queries)
         if len(step_queries) == 1:  # the shared-prefix matmul
@@ -317,6 +334,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 *map(layout.put_rows, (items, item_lens, labels)),
                 self.model.config,
                 platform=self.model.platform,
+                adapters=adapters,
             )
         else:  # each row against its own query's K/V
             name = SCORE_MIXED_ITEMS
@@ -332,6 +350,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 stacked,
                 *map(layout.put_rows, (query_index, items, item_lens, labels)),
                 self.model.config,
+                adapters=adapters,
             )
         tokens = {int(g): 0 for g in groups}
         for g, length in zip(groups, item_lens[:n], strict=True):

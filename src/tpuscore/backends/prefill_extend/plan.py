@@ -82,7 +82,8 @@ class PrefillStep:
 @attrs.frozen
 class Wave:
     """Groups run together (indices into the call's batches) and their steps. `queries`: their
-    distinct queries, `query_of`: each group's index into them. `ready`: each query's K/V where
+    distinct queries (a query under two adapters is two), `query_of`: each group's index into
+    them, `adapters`: each query's LoRA adapter (0: none). `ready`: each query's K/V where
     it needs no prefill (empty, or a cache hit), else None; `reused`: for a query to prefill, the
     cached state it continues (None: none) and how many of its tokens that holds."""
 
@@ -93,20 +94,25 @@ class Wave:
     reused: dict[int, tuple[Prefix | None, int]]
     prefill: list[PrefillStep]
     extend: list[ExtendStep]
+    adapters: list[int] = attrs.Factory(list)
 
 
-def distinct_queries(batches: Sequence[ScoreBatch]) -> tuple[list[np.ndarray], list[int]]:
-    """The batches' distinct queries in order of first appearance, and each batch's index
-    into them."""
-    queries, index, query_of = [], {}, []
+def distinct_queries(
+    batches: Sequence[ScoreBatch],
+) -> tuple[list[np.ndarray], list[int], list[int]]:
+    """The batches' distinct (query, adapter) pairs in order of first appearance: the queries,
+    each batch's index into them, and each query's adapter. One query under two adapters is two
+    queries: its K/V differ."""
+    queries, index, query_of, adapters = [], {}, [], []
     for batch in batches:
         query = batch.query[: batch.query_len]
-        key = query.tobytes()
+        key = (batch.adapter, query.tobytes())
         if key not in index:
             index[key] = len(queries)
             queries.append(query)
+            adapters.append(batch.adapter)
         query_of.append(index[key])
-    return queries, query_of
+    return queries, query_of, adapters
 
 
 class Planning:
@@ -130,14 +136,12 @@ class Planning:
     def schedule(
         self,
         batches: Sequence[ScoreBatch],
-        read: Callable[[np.ndarray], Reuse | None] | None = None,
+        read: Callable[..., Reuse | None] | None = None,
     ) -> Iterator[Wave]:
         """The waves of `plan(batches)`, expanded (`expand`)."""
         return self.expand(self.plan(batches), read)
 
-    def expand(
-        self, plan: Plan, read: Callable[[np.ndarray], Reuse | None] | None = None
-    ) -> Iterator[Wave]:
+    def expand(self, plan: Plan, read: Callable[..., Reuse | None] | None = None) -> Iterator[Wave]:
         """The plan's waves, each with its prefill and extend steps.
 
         Lazy: a wave is planned when the one before it has run, so it sees what that one put in
@@ -148,10 +152,10 @@ class Planning:
         batches = plan.batches
         for groups in plan.steps:
             wave_batches = [batches[g] for g in groups]
-            queries, query_of = distinct_queries(wave_batches)
-            ready, reused, prefill = self._plan_prefill(queries, read)
+            queries, query_of, adapters = distinct_queries(wave_batches)
+            ready, reused, prefill = self._plan_prefill(queries, read, adapters)
             extend = self.plan_extend(wave_batches, query_of)
-            yield Wave(groups, queries, query_of, ready, reused, prefill, extend)
+            yield Wave(groups, queries, query_of, ready, reused, prefill, extend, adapters)
 
     def waves(self, batches: Sequence[ScoreBatch]) -> list[list[int]]:
         """The groups in consecutive waves whose distinct queries' K/V, all held at once while
@@ -159,7 +163,7 @@ class Planning:
         budget = self.held_budget
         waves, seen, held = [[]], set(), 0
         for g, batch in enumerate(batches):
-            query = batch.query[: batch.query_len].tobytes()
+            query = (batch.adapter, batch.query[: batch.query_len].tobytes())
             if query not in seen:
                 nbytes = self.prefix_bytes(batch.query_len)
                 if seen and held + nbytes > budget:
@@ -171,7 +175,10 @@ class Planning:
         return [wave for wave in waves if wave]
 
     def _plan_prefill(
-        self, queries: Sequence[np.ndarray], read: Callable[[np.ndarray], Reuse | None]
+        self,
+        queries: Sequence[np.ndarray],
+        read: Callable[..., Reuse | None],
+        adapters: Sequence[int] | None = None,
     ) -> tuple[list[Prefix | None], dict[int, tuple[Prefix | None, int]], list[PrefillStep]]:
         """The prefill steps for these queries, as `Wave` holds them: nothing on a cache hit, the
         part past the longest cached prefix on a partial hit, all of it on a miss.
@@ -182,7 +189,8 @@ class Planning:
         longest first so similar lengths share a step. The others (longer, or continuing a cached
         prefix, resized to their own size) prefill one per step, a chunk at a time.
         Batch-invariant: exact hits only, and one query per step, so its chunks start at 0 and
-        every multiple of prefill_chunk."""
+        every multiple of prefill_chunk. adapters: each query's (default none); `read` looks a
+        query up under its adapter, `read(tokens, adapter)`."""
         ready: list[Prefix | None] = [None] * len(queries)
         reused: dict[int, tuple[Prefix | None, int]] = {}
         together, alone = [], []  # query indices; alone: (index, tokens done)
@@ -191,7 +199,7 @@ class Planning:
             if n == 0:
                 ready[i] = self._empty
                 continue
-            reuse = read(query)
+            reuse = read(query, adapters[i] if adapters else 0)
             if self.batch_invariant and reuse is not None and not reuse.exact:
                 reuse = None
             if reuse is not None and reuse.exact:

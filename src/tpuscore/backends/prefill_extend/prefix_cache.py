@@ -11,6 +11,11 @@ of every entry cost O(entries x query length). Every operation holds one lock, b
 rather than vLLM's chained block hashes because the reuse length must be exact to the token: block
 hashes find the longest matching block, and the tokens after it would need a scan of every entry
 sharing that block.
+
+Every operation takes the LoRA adapter the state was computed under (`adapter`, 0: none): a
+query's K/V differ per adapter, so an entry serves lookups of its own adapter only. The adapter
+heads the key as one negative token (-adapter), which no real token id can match: entries of
+different adapters share no prefix in the tree, and the base model's keys are the tokens alone.
 """
 
 from __future__ import annotations
@@ -156,23 +161,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def peek(self, tokens: np.ndarray) -> int:
+    def peek(self, tokens: np.ndarray, adapter: int = 0) -> int:
         """How many leading tokens of `tokens` a lookup would reuse (len(tokens) on an exact hit, 0
         on a miss), without counting a hit or a miss or touching the LRU order: a read-only probe
         for planning."""
-        reuse = self.probe(tokens)
+        reuse = self.probe(tokens, adapter)
         return 0 if reuse is None else reuse.length
 
-    def probe(self, tokens: np.ndarray) -> Reuse | None:
+    def probe(self, tokens: np.ndarray, adapter: int = 0) -> Reuse | None:
         """What `lookup` would return now, without counting a hit or a miss or touching the LRU
         order: for pricing a plan that a lookup would make."""
         with self._lock:
-            return self._find(np.asarray(tokens, np.int32))[0]
+            return self._find(np.asarray(tokens, np.int32), adapter)[0]
 
-    def lookup(self, tokens: np.ndarray) -> Reuse | None:
-        """The cached entry with the longest common prefix with tokens, or None."""
+    def lookup(self, tokens: np.ndarray, adapter: int = 0) -> Reuse | None:
+        """The entry of this adapter with the longest common prefix with tokens, or None."""
         with self._lock:
-            reuse, key = self._find(np.asarray(tokens, np.int32))
+            reuse, key = self._find(np.asarray(tokens, np.int32), adapter)
             if reuse is None:
                 self.misses += 1
                 return None
@@ -183,24 +188,25 @@ class PrefixCache:
                 self.partial_hits += 1
             return reuse
 
-    def _find(self, tokens: np.ndarray) -> tuple[Reuse | None, bytes | None]:
-        """The longest cached prefix of tokens and the key of the entry holding it. Holds no
-        lock: the caller does."""
-        key = tokens.tobytes()
+    def _find(self, tokens: np.ndarray, adapter: int) -> tuple[Reuse | None, bytes | None]:
+        """The longest cached prefix of tokens under the adapter and the key of the entry
+        holding it. Holds no lock: the caller does."""
+        key = _key(tokens, adapter)
         exact = self._entries.get(key)
         if exact is not None:
             return Reuse(exact[0], len(tokens), exact=True), key
         length, node = self._tree.longest_prefix(key)
-        if length == 0:
+        length -= adapter != 0  # the adapter's own token is no token of the sequence
+        if length <= 0:
             return None, None
         best = self._tree.any_key(node)
         return Reuse(self._entries[best][0], length, exact=False), best
 
-    def put(self, tokens: np.ndarray, value: Any, nbytes: int) -> None:
-        """Insert value for tokens, evicting least recently used entries to stay in budget. A value
-        larger than the whole budget is not kept (and replaces no entry: one already cached for
-        tokens is dropped)."""
-        key = np.asarray(tokens, np.int32).tobytes()
+    def put(self, tokens: np.ndarray, value: Any, nbytes: int, adapter: int = 0) -> None:
+        """Insert value for tokens under the adapter, evicting least recently used entries to
+        stay in budget. A value larger than the whole budget is not kept (and replaces no entry:
+        one already cached for tokens is dropped)."""
+        key = _key(np.asarray(tokens, np.int32), adapter)
         with self._lock:
             if key in self._entries:
                 self._forget(key)
@@ -221,6 +227,12 @@ class PrefixCache:
         _, nbytes, node = self._entries.pop(key)
         self._tree.remove(node)
         self._bytes -= nbytes
+
+
+def _key(tokens: np.ndarray, adapter: int) -> bytes:
+    """A cache key: the tokens' int32 bytes, after -adapter for an adapter's state."""
+    head = np.array([-adapter], np.int32).tobytes() if adapter else b""
+    return head + np.asarray(tokens, np.int32).tobytes()
 
 
 def _common_prefix(edge: bytes, key: bytes, pos: int) -> int:

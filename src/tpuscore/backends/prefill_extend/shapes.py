@@ -111,7 +111,9 @@ class StepShapes:
         params, config = self.model.params, self.model.config
         tokens = np.zeros((1, length), np.int32)
         args = (params, self._zero_prefix(base_len), tokens, np.int32(1))
-        return args, {"config": config, "size": size, "platform": self.model.platform}
+        adapters = self.model.row_adapters(np.zeros(1, np.int32))
+        kwargs = {"config": config, "size": size, "platform": self.model.platform}
+        return args, {**kwargs, "adapters": adapters}
 
     def _prefill_rows_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, length, base_len, size = shape
@@ -121,7 +123,8 @@ class StepShapes:
             layout.put_prefix(self._zero_prefix(base_len, rows), stacked=True),
             *map(layout.put_rows, (zeros((rows, length)), zeros(rows))),
         )
-        return args, {"config": self.model.config, "size": size}
+        adapters = self.model.row_adapters(zeros(rows))
+        return args, {"config": self.model.config, "size": size, "adapters": adapters}
 
     def _stack_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         count, size = shape
@@ -140,7 +143,8 @@ class StepShapes:
         zeros, layout = functools.partial(np.zeros, dtype=np.int32), self.model.layout
         inputs = (zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
         args = (self.model.params, self._zero_prefix(size), *map(layout.put_rows, inputs))
-        return (*args, self.model.config), {"platform": self.model.platform}
+        adapters = self.model.row_adapters(zeros(rows))
+        return (*args, self.model.config), {"platform": self.model.platform, "adapters": adapters}
 
     def _score_mixed_items_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, item_len, count, size, width = shape
@@ -148,7 +152,7 @@ class StepShapes:
         stacked = layout.put_prefix(self._zero_prefix(size, count), stacked=True)
         inputs = (zeros(rows), zeros((rows, item_len)), zeros(rows), zeros((rows, width)))
         args = (self.model.params, stacked, *map(layout.put_rows, inputs))
-        return (*args, self.model.config), {}
+        return (*args, self.model.config), {"adapters": self.model.row_adapters(zeros(rows))}
 
     def _zero_prefix(self, size: int, count: int | None = None) -> Prefix:
         """A prefix of zeros holding `size` positions, or `count` of them stacked, placed as the

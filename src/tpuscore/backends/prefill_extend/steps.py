@@ -2,6 +2,9 @@
 row), score items against one query's K/V or each row against its own, and stack, unstack and
 resize K/V, which are jitted too since eager jnp ops compile per shape as well.
 
+Every scoring step takes `adapters` (each row's LoRA adapter, `Model.row_adapters`; None: the
+base model): a query's K/V are computed under the adapter of the items that read them.
+
 A step meets its query's K/V in key blocks and skips those past the query's length
 (`key_blocks`), on CPU through the fused CPU kernel where this process can run it
 (`prefix_kernel`).
@@ -18,6 +21,7 @@ from tpuscore.backends.buckets import bucket_count
 from tpuscore.backends.contract import TOP_LOGPROBS
 from tpuscore.kernels import cpu_attention
 from tpuscore.models import decoder
+from tpuscore.models.adapters import RowAdapters
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.decoder import Prefix
 from tpuscore.models.weights import Params
@@ -90,15 +94,16 @@ def prefill(
     config: ModelConfig,
     size: int,
     platform: str | None = None,
+    adapters: RowAdapters | None = None,
 ) -> Prefix:
     """Extend `prefix` by the first `count` of tokens [1, R]; the result holds `size` positions.
-    platform: where it runs (`key_blocks`)."""
+    platform: where it runs (`key_blocks`); adapters: the query's adapter (one row)."""
     R = tokens.shape[1]
     causal = jnp.tril(jnp.ones((1, R, R), bool))
     hidden, (k, v) = decoder.extend(
         params, config, prefix, tokens, causal, return_kv=True,
         prefix_blocks=key_blocks(prefix.k.shape[-1], R, platform=platform),
-        prefix_kernel=prefix_kernel(), platform=platform,
+        prefix_kernel=prefix_kernel(), platform=platform, adapters=adapters,
     )  # fmt: skip
     k = k[:, 0].transpose(0, 2, 3, 1)  # [layers, K, H, R]
     v = v[:, 0].transpose(0, 2, 1, 3)  # [layers, K, R, H]
@@ -118,14 +123,17 @@ def prefill_rows(
     counts: jax.Array,
     config: ModelConfig,
     size: int,
+    adapters: RowAdapters | None = None,
 ) -> Prefix:
     """Extend each of the stacked `prefixes` (`decoder.stack_prefixes`, one per row) by the first
-    counts[b] of tokens [B, R] in its row; the results, stacked, hold `size` positions."""
+    counts[b] of tokens [B, R] in its row (under its adapter); the results, stacked, hold `size`
+    positions."""
     B, R = tokens.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((R, R), bool)), (B, R, R))
     hidden, (k, v) = decoder.extend(
-        params, config, prefixes, tokens, causal, rows=jnp.arange(B), return_kv=True
-    )
+        params, config, prefixes, tokens, causal, rows=jnp.arange(B), return_kv=True,
+        adapters=adapters,
+    )  # fmt: skip
     k = k.transpose(0, 1, 3, 4, 2)  # [layers, B, K, H, R]
     v = v.transpose(0, 1, 3, 2, 4)  # [layers, B, K, R, H]
     append = jax.vmap(_append, in_axes=(1, 1, 0, None, None), out_axes=1)
@@ -146,9 +154,10 @@ def score_items(
     label_ids: jax.Array,
     config: ModelConfig,
     platform: str | None = None,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """Label logprobs [B, C] after prefix + each row of items [B, L] (right-padded); label_ids
-    [C] for every row, or [B, C] per row.
+    [C] for every row, or [B, C] per row. adapters: each row's, that of the prefix's query.
 
     An empty item scores the prefix's last token. Rows are independent: padding rows are dropped.
     """
@@ -165,12 +174,13 @@ def score_items(
         prefix_blocks=blocks,
         prefix_kernel=kernel,
         platform=platform,
+        adapters=adapters,
     )
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefix.last_hidden, last)
     if label_ids.ndim == 2:
-        return decoder.row_label_logprobs(params, config, last[:, None], label_ids)[:, 0]
-    return decoder.label_logprobs(params, config, last, label_ids)
+        return decoder.row_label_logprobs(params, config, last[:, None], label_ids, adapters)[:, 0]
+    return decoder.label_logprobs(params, config, last, label_ids, adapters)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -182,16 +192,19 @@ def score_mixed_items(
     item_lens: jax.Array,
     label_ids: jax.Array,
     config: ModelConfig,
+    adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """Label logprobs [B, C] after prefix query_index[b] of the stacked `prefixes` + row b of
     items [B, L], with labels per row [B, C]: rows of different queries in one step, each
-    attending to its own query's K/V (gathered per row)."""
+    attending to its own query's K/V (gathered per row), each under its own adapter."""
     B, L = items.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, config, prefixes, items, causal, rows=query_index)
+    hidden, _ = decoder.extend(
+        params, config, prefixes, items, causal, rows=query_index, adapters=adapters
+    )
     last = hidden[jnp.arange(B), jnp.maximum(item_lens - 1, 0)]
     last = jnp.where((item_lens == 0)[:, None], prefixes.last_hidden[query_index], last)
-    return decoder.row_label_logprobs(params, config, last[:, None], label_ids)[:, 0]
+    return decoder.row_label_logprobs(params, config, last[:, None], label_ids, adapters)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames="size")
