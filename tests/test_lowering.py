@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from helpers import GEMMA2_2B, QWEN3_0_6B, SMOLLM2_135M
@@ -119,3 +120,41 @@ def test_every_step_lowers_for_cuda(model, dtype):
     for name, (f, args) in steps(MODELS[model], DTYPES[dtype], "cuda").items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert ("triton" in text) == (name == "packed_segment"), name  # the Triton kernel
+
+
+def test_the_layer_loop_unrolls_only_where_it_is_lowered_for_a_listed_platform(monkeypatch):
+    """`decoder.UNROLLED_LAYERS_ON`: a step lowered for a listed platform has no while loop over
+    the layers, one lowered elsewhere keeps it, and the unrolled loop computes what the rolled
+    one does."""
+    from tpuscore.models import decoder
+    from tpuscore.models.attention import attend
+
+    config = ModelConfig(
+        family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda shape: jnp.asarray(rng.normal(0, 0.3, shape), f32),
+        param_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, 8)), i32)
+    positions = jnp.arange(8)[None]
+    causal = jnp.tril(jnp.ones((8, 8), bool))[None]
+
+    def step():  # a new function each time: jit caches its trace per function
+        def hidden(params, tokens, positions):
+            attention = lambda q, k, v, layer: attend(q, k, v, causal, layer)  # noqa: E731
+            return decoder.forward(params, config, tokens, positions, attention)
+
+        return jax.jit(hidden)
+
+    rolled = step()(params, tokens, positions)
+    monkeypatch.setattr(decoder, "UNROLLED_LAYERS_ON", frozenset({"cpu"}))
+    traced = step().trace(params, tokens, positions)
+    assert "stablehlo.while" not in traced.lower().as_text()
+    assert "stablehlo.while" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    unrolled = step()(params, tokens, positions)
+    np.testing.assert_allclose(unrolled, rolled, rtol=1e-5, atol=1e-5)
