@@ -21,9 +21,9 @@ from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.backends import registry
 
-# packed_segment runs its Pallas kernel in interpret mode on CPU: right, but slow; its rows reach
-# the decoder exactly as packed_dense's do, so CPU checks packed_dense (docs/adapters.md).
-BACKENDS = ["prefill_extend", "serial", "packed_dense"]
+# packed_segment runs its Pallas kernel in interpret mode on CPU: slow, but the adapters' rows
+# must be checked through it too.
+BACKENDS = ["prefill_extend", "serial", "packed_dense", "packed_segment"]
 
 
 @pytest.fixture(scope="module")
