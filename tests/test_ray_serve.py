@@ -47,15 +47,13 @@ def cluster():
     ray.shutdown()
 
 
-def deploy(cluster, checkpoint, routing: str, batcher_options=None) -> str:
+def deploy(cluster, checkpoint, routing: str) -> str:
     """The app under `/<routing>`, two replicas; its URL once every replica is up."""
     app_options = {
         "rerank_template": TEMPLATE,
         "model_name": "tiny",
         "allowed_hosts": ["127.0.0.1"],
     }
-    if batcher_options is not None:
-        app_options["batcher_options"] = batcher_options
     app = ray_serve.build_app(
         str(checkpoint),
         num_replicas=2,
@@ -68,6 +66,15 @@ def deploy(cluster, checkpoint, routing: str, batcher_options=None) -> str:
     status = serve.status().applications[routing].deployments["Replica"]
     assert status.replica_states.get("RUNNING") == 2, status
     return f"{cluster}/{routing}"
+
+
+@pytest.fixture(scope="module")
+def affine_app(cluster, checkpoint_dir):
+    """The query-affine app, deployed once for the module: the routing test measures it, then
+    the failure test kills one of its replicas (a deployment costs two replicas' start-up)."""
+    url = deploy(cluster, checkpoint_dir(CASE), "query")
+    yield url
+    serve.delete("query")
 
 
 def stream(rng, vocab):
@@ -110,7 +117,7 @@ def run_stream(url, requests):
 
 
 @pytest.mark.slow  # a local Ray cluster: its workers start and import JAX
-def test_affine_routing_keeps_the_prefix_cache(cluster, checkpoint_dir, scorers, rng):
+def test_affine_routing_keeps_the_prefix_cache(cluster, affine_app, checkpoint_dir, scorers, rng):
     checkpoint, scorer = checkpoint_dir(CASE), scorers(CASE)
     vocab = scorer.config.vocab_size
     requests = stream(rng, vocab)
@@ -119,7 +126,7 @@ def test_affine_routing_keeps_the_prefix_cache(cluster, checkpoint_dir, scorers,
     warmup = [r for r in stream(rng, vocab) + stream(rng, vocab)][: 4 * QUERIES]
     figures, rates = {}, {}
     for routing in ("query", "round_robin"):
-        url = deploy(cluster, checkpoint, routing)
+        url = affine_app if routing == "query" else deploy(cluster, checkpoint, routing)
         run_stream(url, warmup)
         answers, hits, replicas, seconds = run_stream(url, requests)
         for answer, scores in zip(answers, expected, strict=True):
@@ -134,7 +141,7 @@ def test_affine_routing_keeps_the_prefix_cache(cluster, checkpoint_dir, scorers,
         else:  # both replicas serve, each query on both
             assert len(set(replicas)) == 2
             assert all(len(r) == 2 for r in by_query.values()), by_query
-        serve.delete(routing)
+            serve.delete(routing)
     print(
         f"prefix-cache hit rate: affine {figures['query']:.2f}, round robin "
         f"{figures['round_robin']:.2f}; items/s (one request at a time, after warmup) "
@@ -148,11 +155,10 @@ def test_affine_routing_keeps_the_prefix_cache(cluster, checkpoint_dir, scorers,
 
 
 @pytest.mark.slow
-def test_a_killed_replica_loses_no_request(cluster, checkpoint_dir, scorers, rng):
-    checkpoint, scorer = checkpoint_dir(CASE), scorers(CASE)
-    # Each batch waits up to 500 ms for company: requests are in flight on the replica when
-    # it is killed (the gateway's retry then answers them).
-    url = deploy(cluster, checkpoint, "query", batcher_options={"max_wait_ms": 500})
+def test_a_killed_replica_loses_no_request(affine_app, scorers, rng):
+    url, scorer = affine_app, scorers(CASE)
+    # Eight clients at once keep requests in flight on the replica when it is killed (the
+    # gateway's retry then answers them).
     requests = stream(rng, scorer.config.vocab_size) * 2
     answers: list = [None] * len(requests)
     first_answered = threading.Event()
@@ -163,7 +169,7 @@ def test_a_killed_replica_loses_no_request(cluster, checkpoint_dir, scorers, rng
             answers[i] = send(client, requests[i])
         first_answered.set()
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(len(requests))]
         assert first_answered.wait(120)
         victim = next(a[1] for a in answers if a is not None and a[0] == 200)
@@ -195,7 +201,6 @@ def test_a_killed_replica_loses_no_request(cluster, checkpoint_dir, scorers, rng
     # The client's Host reaches the replica's app, which refuses a foreign one.
     foreign = httpx.post(f"{url}/v1/score", json=requests[0], headers={"Host": "evil.example"})
     assert foreign.status_code == 400 and foreign.headers["X-Error-Code"] == "invalid_host"
-    serve.delete("query")
 
 
 # -- without a cluster ---------------------------------------------------------------------------
