@@ -41,14 +41,12 @@ f32 = jnp.float32
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array | int8.Int8Weight | int8.Probe) -> jax.Array:
-    # The weight's type picks the matmul: the int8 precision's weights are `Int8Weight`s, and
-    # its calibration pass wraps float32 ones in `Probe`s. Weights always contract first.
+    # The int8 precision's weights are `Int8Weight`s; its calibration pass wraps float32 ones in
+    # `Probe`s, which report their input and multiply as float32.
     if isinstance(w, int8.Int8Weight):
         return int8.dot(x, w)
     if isinstance(w, int8.Probe):
-        inputs, weights = spec.split("->")[0].split(",")
-        int8.report(x, w, n_in=len(set(inputs) & set(weights)))
-        w = w.w
+        w = int8.report(spec, x, w)
     # float32 weights ask for full precision, or TPUs and GPUs would round to bf16/tf32.
     precision = jax.lax.Precision.HIGHEST if w.dtype == f32 else None
     out = jnp.einsum(spec, x.astype(w.dtype), w, precision=precision, preferred_element_type=f32)

@@ -119,8 +119,12 @@ class Probe:
 jax.tree_util.register_dataclass(Probe, data_fields=["w"], meta_fields=["seen"])
 
 
-def report(x: jax.Array, w: Probe, n_in: int) -> None:
-    """Send x's [..., *in] (n_in input axes) max |value| per flattened input channel to
-    `w.seen`, in the order the matmuls run."""
+def report(spec: str, x: jax.Array, w: Probe) -> jax.Array:
+    """Send the max |value| per input channel of x (the einsum `spec`'s left operand, its
+    contracted axes last, as in every projection) to `w.seen`, in the order the matmuls run;
+    the float32 weight to multiply by."""
+    inputs, weights = spec.split("->")[0].split(",")
+    n_in = len(set(inputs) & set(weights))
     flat = x.reshape(-1, math.prod(x.shape[x.ndim - n_in :]))
     jax.debug.callback(w.seen, jnp.max(jnp.abs(flat.astype(f32)), axis=0), ordered=True)
+    return w.w

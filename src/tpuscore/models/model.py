@@ -84,8 +84,9 @@ def _input_amax(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         w = jnp.asarray(w, jnp.float32)
         return int8.Probe(w, _Recorder(seen[name])) if name in MIXED_BFLOAT16 else w
 
-    layers = {name: probe(name, w) for name, w in params["layers"].items()}
-    probed = {**jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), "layers": layers}
+    rest = {key: value for key, value in params.items() if key != "layers"}
+    probed = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), rest)
+    probed["layers"] = {name: probe(name, w) for name, w in params["layers"].items()}
     rng = np.random.default_rng(CALIBRATION_SEED)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, CALIBRATION_TOKENS)), jnp.int32)
     positions = jnp.arange(CALIBRATION_TOKENS)[None]
@@ -120,11 +121,13 @@ def _int8(config: ModelConfig, params: Params) -> Params:
         channels = np.sort(np.argsort(-amax[name], axis=1, kind="stable")[:, :k], axis=1)
         return int8.quantize(w, n_in, channels)
 
-    layers = {
+    rest = {key: value for key, value in params.items() if key != "layers"}
+    out = jax.tree.map(lambda a: np.asarray(a, np.float32), rest)
+    out["layers"] = {
         name: quantize(name, w) if name in MIXED_BFLOAT16 else np.asarray(w, np.float32)
         for name, w in params["layers"].items()
     }
-    return {**jax.tree.map(lambda a: np.asarray(a, np.float32), params), "layers": layers}
+    return out
 
 
 @attrs.frozen(eq=False)
