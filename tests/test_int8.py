@@ -21,7 +21,8 @@ from tpuscore.backends import serial
 from tpuscore.backends.work import StepWork
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.selection import CostModel
-from tpuscore.models import int8
+from tpuscore.models import decoder, int8
+from tpuscore.models.attention import attend
 from tpuscore.models.model import (
     INT8,
     MIXED_BFLOAT16,
@@ -144,6 +145,23 @@ def test_int8_holds_projection_and_mlp_weights_in_int8(pairs):
     assert 1 <= k <= quantized.config.intermediate_size // 8
     # What users see (`Scorer.params`, `save`) is the dequantized float32 weight.
     assert quantized.params["layers"]["wq"].dtype == jnp.float32
+
+
+def test_int8_step_never_widens_the_weight_stack(pairs):
+    """The layer scan slices the int8 stacks natively (an s8 dynamic-slice): no step converts a
+    whole stack to float32, as XLA:CPU once did to bfloat16 ones (test_precision.py)."""
+    _, quantized = pairs(CASES[0])
+    model = quantized.engine.model
+    tokens = jnp.zeros((3, 16), jnp.int32)  # 3 rows: no activation shares a stack's leading L
+    positions = jnp.broadcast_to(jnp.arange(16), (3, 16))
+    causal = jnp.tril(jnp.ones((3, 16, 16), bool))
+    attention = lambda q, k, v, layer: attend(q, k, v, causal, layer)  # noqa: E731
+    step = jax.jit(lambda p, t, pos: decoder.forward(p, model.config, t, pos, attention))
+    hlo = step.lower(model.params, tokens, positions).compile().as_text()
+    for name in MIXED_BFLOAT16:
+        stack = model.params["layers"][name].q.shape
+        assert f"f32[{','.join(map(str, stack))}]" not in hlo, name
+        assert f"s8[{','.join(map(str, stack))}]" in hlo, name
 
 
 # One backend per case: every JAX backend gives the same gap to four decimals (int8's rounding
