@@ -1,7 +1,8 @@
-"""How far the bfloat16 precisions ("mixed", "bfloat16") move scores from float32, on the default
-model: realistic text requests and random-token queries.
+"""How far the reduced precisions ("mixed", "bfloat16", "int8") move scores from float32, on the
+default model: realistic text requests and random-token queries.
 
     python benchmarks/precision_gap.py [--backend serial] [--random 5]
+    python benchmarks/precision_gap.py --dtypes mixed,int8
 
 The gap of a request is max |logprob - float32 logprob| over its items and labels (absolute), and
 the same divided by |float32 logprob| (relative); float32 is the same backend in float32 (every

@@ -22,6 +22,7 @@ _EXPORTS = {
     "LoglikelihoodResult": "tpuscore.tasks.loglikelihood",
     "ModelConfig": "tpuscore.models.config",
     "Overloaded": "tpuscore.serving.batcher",
+    "PrecisionError": "tpuscore.models.model",
     "RankedItem": "tpuscore.tasks.ranking",
     "ScoreOptions": "tpuscore.api.requests",
     "ScoreResult": "tpuscore.api.results",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # the names for type checkers and editors
     from tpuscore.models.config import ModelConfig as ModelConfig
     from tpuscore.models.config import UnsupportedModelError as UnsupportedModelError
     from tpuscore.models.loaders.default import DefaultModelMissingError as DefaultModelMissingError
+    from tpuscore.models.model import PrecisionError as PrecisionError
     from tpuscore.models.weights import CheckpointMismatchError as CheckpointMismatchError
     from tpuscore.scorer import Scorer as Scorer
     from tpuscore.serving.batcher import Batcher as Batcher

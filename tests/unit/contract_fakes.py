@@ -81,7 +81,9 @@ class FakePool:
 
     def __init__(self, backends: dict):
         self.backends = backends
-        self.model = types.SimpleNamespace(layout=ONE_DEVICE, dtype=np.dtype("float32"))
+        self.model = types.SimpleNamespace(
+            layout=ONE_DEVICE, dtype=np.dtype("float32"), matmul_dtype="float32"
+        )
 
     def get(self, name):
         return self.backends[name]

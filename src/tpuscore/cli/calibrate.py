@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = batches_for(scorer, tuple(interpret["geometry"]))
         estimate = float(features(scorer, interpret["backend"], batches) @ coef)
         penalty = interpret["seconds"] / estimate
-    profile = profile_from(coef, scorer.dtype.name, penalty, command)
+    profile = profile_from(coef, scorer.engine.model.matmul_dtype, penalty, command)
     profile.save(args.out)
 
     model = selection.CostModel(profile)

@@ -92,9 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--dtype",
-        choices=["float32", "bfloat16", "mixed"],
+        choices=["float32", "bfloat16", "mixed", "int8"],
         help="default: float32 on CPU, bfloat16 on accelerators; mixed: bfloat16 matmul "
-        "operands, float32 everywhere else (docs/api.md)",
+        "operands, float32 everywhere else; int8: int8 projection and MLP matmuls with float32 "
+        "outlier channels, one device only (docs/runtime.md#precision)",
     )
     add("--backend", default="auto", help="a registered backend name (default: auto)")
     add(

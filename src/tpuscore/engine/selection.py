@@ -157,7 +157,7 @@ class CostModel:
         and so their bytes, over its "model" axis only)."""
         p, layout = self.profile, model.layout
         devices = layout.data * layout.model
-        flops = sum(s.flops for s in steps) / (p.matmul_rate(model.dtype) * devices)
+        flops = sum(s.flops for s in steps) / (p.matmul_rate(model.matmul_dtype) * devices)
         reads = sum(s.bytes for s in steps) / (p.memory_bandwidth * layout.model)
         scores = sum(s.scores for s in steps) * p.score_seconds / devices
         return len(steps) * p.step_seconds + flops + reads + scores

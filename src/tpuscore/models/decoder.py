@@ -4,9 +4,9 @@ functions, the differences driven by the config (`models/config.py`).
 Axis letters: B batch, T tokens, S keys, N query heads, K kv heads, G = N/K, H head dim,
 D model dim, F MLP dim, V vocab, C labels. Parameters follow `models/weights.py`.
 
-Matmuls run in their weight's dtype (attention's in the norm weights') and accumulate in float32;
-norms, RoPE and softmax run in float32. The head (LM head or classification head) is applied only
-to the rows being scored, never to every token.
+Matmuls run in their weight's dtype (attention's in the norm weights') and accumulate in float32
+(int8 weights: in int32, `models/int8.py`); norms, RoPE and softmax run in float32. The head
+(LM head or classification head) is applied only to the rows being scored, never to every token.
 
 Sliding windows: layers are scanned, so a layer's window travels through `lax.scan` as data, a
 per-layer int32 (`layer_windows`: the window of a local layer, `NO_WINDOW` for a global one).
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tpuscore.models import rope
+from tpuscore.models import int8, rope
 from tpuscore.models.adapters import RowAdapters
 from tpuscore.models.attention import (
     NO_WINDOW,
@@ -40,7 +40,13 @@ from tpuscore.models.weights import Params, bits_as_bfloat16
 f32 = jnp.float32
 
 
-def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def _dot(spec: str, x: jax.Array, w: jax.Array | int8.Int8Weight | int8.Probe) -> jax.Array:
+    # The int8 precision's weights are `Int8Weight`s; its calibration pass wraps float32 ones in
+    # `Probe`s, which report their input and multiply as float32.
+    if isinstance(w, int8.Int8Weight):
+        return int8.dot(x, w)
+    if isinstance(w, int8.Probe):
+        w = int8.report(spec, x, w)
     # float32 weights ask for full precision, or TPUs and GPUs would round to bf16/tf32.
     precision = jax.lax.Precision.HIGHEST if w.dtype == f32 else None
     out = jnp.einsum(spec, x.astype(w.dtype), w, precision=precision, preferred_element_type=f32)

@@ -11,28 +11,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpuscore.models import decoder, int8
 from tpuscore.models.adapters import AdapterStack, LoraAdapter, RowAdapters, stack_adapters
+from tpuscore.models.attention import attend, within_window
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params, bits_as_bfloat16, layers_as_bits
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MIXED = "mixed"
-PRECISIONS = (*DTYPES, MIXED)
-# What the mixed precision stores in bfloat16: the projection and MLP weights, which feed nothing
-# but a matmul. Embeddings, the LM head, norms and biases stay float32.
+MIXED, INT8 = "mixed", "int8"
+PRECISIONS = (*DTYPES, MIXED, INT8)
+# What the mixed precision stores in bfloat16, and the int8 one in int8: the projection and MLP
+# weights, which feed nothing but a matmul. Embeddings, the LM head, norms and biases stay float32.
 MIXED_BFLOAT16 = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+# int8: the outlier input channels kept in float32 per layer and matmul, at most an eighth of the
+# inputs (SmolLM2-135M: 16 of 576 or 1536; its massive activations sit in about that many).
+OUTLIER_CHANNELS = 16
+# The calibration pass that picks them: this many tokens, drawn at random from the vocabulary
+# with a fixed seed (no tokenizer needed, and the same channels on every build).
+CALIBRATION_TOKENS, CALIBRATION_SEED = 256, 0
+
+
+class PrecisionError(ValueError):
+    """A precision this model's placement cannot run."""
 
 
 def resolve_precision(dtype: Any) -> str:
-    """The precision `dtype` names: "float32", "bfloat16" or "mixed" (a dtype or its name); None:
-    float32 on CPU, bfloat16 on accelerators.
+    """The precision `dtype` names: "float32", "bfloat16", "mixed" or "int8" (a dtype or its
+    name); None: float32 on CPU, bfloat16 on accelerators.
 
     "mixed" multiplies bfloat16 operands into float32 accumulators in the projections and the MLP
     (`MIXED_BFLOAT16`: nearly all the FLOPs but attention's) and keeps everything else float32:
     the residual stream, norms, RoPE, attention (q.k, softmax, p.v) and its K/V, the LM head and
     its log-softmax. "bfloat16" stores every weight, and runs attention and its K/V, in bfloat16
-    (with float32 accumulation, norms and softmax)."""
+    (with float32 accumulation, norms and softmax).
+
+    "int8" holds `MIXED_BFLOAT16` in int8 per output channel, but for a few outlier input
+    channels per layer and matmul (`OUTLIER_CHANNELS`, chosen by a calibration pass at build)
+    whose rows stay float32; each token's matmul input is quantized to int8 with its own scale,
+    multiplied into int32 and scaled back to float32 (`models/int8.py`). Everything else is as
+    in "mixed". One device only (`PrecisionError` on a mesh); opt-in: it is not faster than
+    "mixed" on every CPU (docs/runtime.md)."""
     if dtype is None:
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
@@ -56,6 +75,61 @@ def _mixed(params: Params) -> Params:
         return a.astype(jnp.bfloat16 if name in MIXED_BFLOAT16 else jnp.float32)
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _input_amax(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Each `MIXED_BFLOAT16` weight's largest |input| per input channel [L, in] over a float32
+    forward pass of `CALIBRATION_TOKENS` random tokens."""
+    seen: dict[str, list[np.ndarray]] = {name: [] for name in MIXED_BFLOAT16}
+
+    def probe(name, w):
+        w = jnp.asarray(w, jnp.float32)
+        return int8.Probe(w, _Recorder(seen[name])) if name in MIXED_BFLOAT16 else w
+
+    rest = {key: value for key, value in params.items() if key != "layers"}
+    probed = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), rest)
+    probed["layers"] = {name: probe(name, w) for name, w in params["layers"].items()}
+    rng = np.random.default_rng(CALIBRATION_SEED)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, CALIBRATION_TOKENS)), jnp.int32)
+    positions = jnp.arange(CALIBRATION_TOKENS)[None]
+    causal = jnp.tril(jnp.ones((1, CALIBRATION_TOKENS, CALIBRATION_TOKENS), bool))
+
+    def attention(q, k, v, layer):
+        return attend(q, k, v, causal & within_window(positions, positions, layer.window), layer)
+
+    decoder.forward(probed, config, tokens, positions, attention).block_until_ready()
+    jax.effects_barrier()
+    return {name: np.stack(rows) for name, rows in seen.items()}
+
+
+class _Recorder:
+    """A `Probe`'s host side: appends what it is sent (hashable, as a pytree's static field must
+    be)."""
+
+    def __init__(self, into: list):
+        self.into = into
+
+    def __call__(self, amax) -> None:
+        self.into.append(np.asarray(amax))
+
+
+def _int8(config: ModelConfig, params: Params) -> Params:
+    """params with `MIXED_BFLOAT16` as `int8.Int8Weight`s and every other leaf in float32."""
+    amax = _input_amax(config, params)
+
+    def quantize(name, w):
+        n_in = 2 if name == "wo" else 1
+        k = min(OUTLIER_CHANNELS, amax[name].shape[1] // 8)
+        channels = np.sort(np.argsort(-amax[name], axis=1, kind="stable")[:, :k], axis=1)
+        return int8.quantize(w, n_in, channels)
+
+    rest = {key: value for key, value in params.items() if key != "layers"}
+    out = jax.tree.map(lambda a: np.asarray(a, np.float32), rest)
+    out["layers"] = {
+        name: quantize(name, w) if name in MIXED_BFLOAT16 else np.asarray(w, np.float32)
+        for name, w in params["layers"].items()
+    }
+    return out
 
 
 @attrs.frozen(eq=False)
@@ -89,7 +163,14 @@ class Model:
         """Put params on device in the precision `dtype` names (see `resolve_precision`), placed
         by `layout`; adapters (name -> loaded adapter), stacked once, in their order."""
         precision = resolve_precision(dtype)
-        if precision == MIXED:
+        if precision == INT8 and layout.mesh is not None:
+            raise PrecisionError(
+                f"dtype='int8' runs on one device; this model is placed on a mesh of "
+                f"{layout.mesh.devices.size} devices, whose sharding table has no int8 weights"
+            )
+        if precision == INT8:
+            placed = layout.put_params(_int8(config, params), None)
+        elif precision == MIXED:
             placed = layout.put_params(_mixed(params), None)
         else:
             placed = layout.put_params(params, base_dtype(precision))
@@ -113,5 +194,16 @@ class Model:
 
     @property
     def weights(self) -> Params:
-        """The parameters in their own dtypes (on CPU, a copy of the bfloat16 layer weights)."""
-        return {**self.params, "layers": bits_as_bfloat16(self.params["layers"])}
+        """The parameters in their own dtypes (on CPU, a copy of the bfloat16 layer weights);
+        int8 weights dequantized to float32 (`int8.dequantize`)."""
+        layers = {
+            name: int8.dequantize(w) if isinstance(w, int8.Int8Weight) else w
+            for name, w in bits_as_bfloat16(self.params["layers"]).items()
+        }
+        return {**self.params, "layers": layers}
+
+    @property
+    def matmul_dtype(self) -> str:
+        """The dtype the bulk of the matmuls (projections and MLP) multiply in, by which a
+        device profile prices them: "int8", "bfloat16" (mixed too) or "float32"."""
+        return {MIXED: "bfloat16"}.get(self.precision, self.precision)
