@@ -257,3 +257,11 @@ def test_int8_refused_on_a_mesh(checkpoint_dir):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(PrecisionError, match="one device"):
         Model.build(SMOLLM2_135M, {}, INT8, Layout(mesh))
+
+
+def test_int8_is_refused_off_the_cpu(monkeypatch):
+    """The mode is measured on CPUs only (on an H100 it was far from float32): a model placed
+    on another platform is refused, not scored wrong."""
+    monkeypatch.setattr(Layout, "platform", property(lambda self: "gpu"))
+    with pytest.raises(PrecisionError, match="CPU mode"):
+        Model.build(SMOLLM2_135M, {}, INT8, Layout())
