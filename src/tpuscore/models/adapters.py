@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import attrs
 import jax
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 
@@ -254,3 +255,37 @@ def stack_adapters(adapters: Sequence[LoraAdapter], config: ModelConfig) -> Adap
             if adapter.score is not None:
                 score[i], own_score[i] = adapter.score, True
     return jax.tree.map(jax.numpy.asarray, AdapterStack(a, b, score, own_score))
+
+
+# -- in the decoder's layers ----------------------------------------------------------------------
+
+
+class LayerLora(NamedTuple):
+    """One layer's slice of an `AdapterStack` (a [A+1, in, r], b [A+1, r, out] by parameter)
+    and each row's adapter index [B]."""
+
+    a: dict
+    b: dict
+    index: jax.Array
+
+
+def plus_lora(y: jax.Array, x: jax.Array, lora: LayerLora | None, name: str) -> jax.Array:
+    """y [B, T, ...out] plus each row's low-rank product (x A[index]) B[index] for parameter
+    `name` (x [B, T, ...in], flattened), gathered per row as Punica's BGMV does; y unchanged
+    where no adapter targets `name`. Runs in float32: the adapters are small."""
+    if lora is None or name not in lora.a:
+        return y
+    B, T = x.shape[:2]
+    a, b = lora.a[name][lora.index], lora.b[name][lora.index]  # [B, in, r], [B, r, out]
+    hi = jax.lax.Precision.HIGHEST
+    low = jnp.einsum("bti,bir->btr", x.reshape(B, T, -1).astype(jnp.float32), a, precision=hi)
+    delta = jnp.einsum("btr,bro->bto", low, b, precision=hi)
+    return y + delta.reshape(y.shape)
+
+
+def layer_lora(adapters: RowAdapters | None):
+    """The stack's per-layer weights with L leading, for the layer scan (None: no adapters)."""
+    if adapters is None:
+        return None
+    a, b = (jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), t) for t in adapters.stack[:2])
+    return a, b

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tpuscore.models import int8, rope
-from tpuscore.models.adapters import RowAdapters
+from tpuscore.models.adapters import LayerLora, RowAdapters, layer_lora, plus_lora
 from tpuscore.models.attention import (
     NO_WINDOW,
     LayerAttention,
@@ -89,45 +89,14 @@ class Prefix(NamedTuple):
     last_hidden: jax.Array
 
 
-class LayerLora(NamedTuple):
-    """One layer's slice of an `AdapterStack` (a [A+1, in, r], b [A+1, r, out] by parameter)
-    and each row's adapter index [B]."""
-
-    a: dict
-    b: dict
-    index: jax.Array
-
-
-def _plus_lora(y: jax.Array, x: jax.Array, lora: LayerLora | None, name: str) -> jax.Array:
-    """y [B, T, ...out] plus each row's low-rank product (x A[index]) B[index] for parameter
-    `name` (x [B, T, ...in], flattened), gathered per row as Punica's BGMV does; y unchanged
-    where no adapter targets `name`. Runs in float32: the adapters are small."""
-    if lora is None or name not in lora.a:
-        return y
-    B, T = x.shape[:2]
-    a, b = lora.a[name][lora.index], lora.b[name][lora.index]  # [B, in, r], [B, r, out]
-    hi = jax.lax.Precision.HIGHEST
-    low = jnp.einsum("bti,bir->btr", x.reshape(B, T, -1).astype(f32), a, precision=hi)
-    delta = jnp.einsum("btr,bro->bto", low, b, precision=hi)
-    return y + delta.reshape(y.shape)
-
-
-def _layer_lora(adapters: RowAdapters | None):
-    """The stack's per-layer weights with L leading, for the layer scan (None: no adapters)."""
-    if adapters is None:
-        return None
-    a, b = (jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), t) for t in adapters.stack[:2])
-    return a, b
-
-
 def _qkv(config: ModelConfig, x, p, cos, sin, lora: LayerLora | None = None):
     # Attention runs in the norms' dtype: bfloat16 only where every weight is (the mixed
     # precision keeps norms, and so attention, in float32).
     dtype = p["attn_norm"].dtype
     h = _norm(config, x, p["attn_norm"])
-    q = _plus_lora(_dot("btd,dnh->btnh", h, p["wq"]), h, lora, "wq")
-    k = _plus_lora(_dot("btd,dkh->btkh", h, p["wk"]), h, lora, "wk")
-    v = _plus_lora(_dot("btd,dkh->btkh", h, p["wv"]), h, lora, "wv")
+    q = plus_lora(_dot("btd,dnh->btnh", h, p["wq"]), h, lora, "wq")
+    k = plus_lora(_dot("btd,dkh->btkh", h, p["wk"]), h, lora, "wk")
+    v = plus_lora(_dot("btd,dkh->btkh", h, p["wv"]), h, lora, "wv")
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
@@ -140,17 +109,17 @@ def _qkv(config: ModelConfig, x, p, cos, sin, lora: LayerLora | None = None):
 
 def _finish(config: ModelConfig, x, o, p, lora: LayerLora | None = None):
     """Output projection, residual and MLP after attention output o [B,T,N,H]."""
-    attn = _plus_lora(_dot("btnh,nhd->btd", o, p["wo"]), o, lora, "wo")
+    attn = plus_lora(_dot("btnh,nhd->btd", o, p["wo"]), o, lora, "wo")
     if config.o_bias:
         attn = attn + p["bo"]
     if config.sandwich_norms:
         attn = _norm(config, attn, p["post_attn_norm"])
     x = x + attn
     h = _norm(config, x, p["mlp_norm"])
-    gate = _plus_lora(_dot("btd,df->btf", h, p["w_gate"]), h, lora, "w_gate")
-    up = _plus_lora(_dot("btd,df->btf", h, p["w_up"]), h, lora, "w_up")
+    gate = plus_lora(_dot("btd,df->btf", h, p["w_gate"]), h, lora, "w_gate")
+    up = plus_lora(_dot("btd,df->btf", h, p["w_up"]), h, lora, "w_up")
     act = jax.nn.silu(gate) if config.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    mlp = _plus_lora(_dot("btf,fd->btd", act * up, p["w_down"]), act * up, lora, "w_down")
+    mlp = plus_lora(_dot("btf,fd->btd", act * up, p["w_down"]), act * up, lora, "w_down")
     if config.sandwich_norms:
         mlp = _norm(config, mlp, p["post_mlp_norm"])
     return x + mlp
@@ -232,7 +201,7 @@ def forward(
     the base model alone.
     """
     windows, angles = _layer_inputs(config, positions)
-    lora_layers = _layer_lora(adapters)
+    lora_layers = layer_lora(adapters)
 
     def step(x, layer):
         p, window, lora = layer
@@ -335,7 +304,7 @@ def extend(
         return _finish(config, x, o, p, lora), (k, v) if return_kv else None
 
     x = _embed(params, config, tokens)
-    lora_layers = _layer_lora(adapters)
+    lora_layers = layer_lora(adapters)
     return _scan_layers(step, x, params["layers"], prefix.k, prefix.v, windows, lora_layers)
 
 
