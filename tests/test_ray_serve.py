@@ -58,7 +58,9 @@ def deploy(cluster, checkpoint, routing: str) -> str:
         str(checkpoint),
         num_replicas=2,
         routing=routing,
-        replica_actor_options={"num_cpus": 1},
+        # Half a CPU each: the affine app stays up while the round-robin one is measured, and
+        # both fit the 2-CPU cluster.
+        replica_actor_options={"num_cpus": 0.5},
         scorer_options={"dtype": "float32", "backend": "prefill_extend"},
         app_options=app_options,
     )
