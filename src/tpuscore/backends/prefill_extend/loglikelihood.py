@@ -17,7 +17,8 @@ from tpuscore.backends import work
 from tpuscore.backends.buckets import bucket_prefix, pow2_floor, row_buckets
 from tpuscore.backends.contract import ContinuationScores, Plan, ShapeLimits, StepShape
 from tpuscore.backends.prefill_extend import memory
-from tpuscore.backends.prefill_extend.plan import MAX_BATCH_TOKENS, Wave, bucket_item_tokens
+from tpuscore.backends.prefill_extend.plan import Wave, bucket_item_tokens
+from tpuscore.backends.prefill_extend.sizing import MAX_BATCH_TOKENS
 from tpuscore.backends.prefill_extend.steps import CONTINUATION_LOGPROBS
 from tpuscore.models.decoder import Prefix
 from tpuscore.parallel.sharding import to_host
