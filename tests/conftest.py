@@ -167,3 +167,31 @@ def hf_default_model(default_model_path):
             os.rename(partial, saved)
             return model.eval()
     return transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+
+
+# The files that take longest (`--durations`, 2026-11-27), longest first. xdist's `loadfile`
+# hands out files with the most tests first, so these, with one or two long tests each, would
+# start last and run alone at the end while the other worker idles: they are handed out first.
+LONGEST_FILES = (
+    "test_sharding.py", "test_soak.py", "test_shapes.py", "test_lm_eval.py",
+    "test_ray_serve.py", "test_jobs_memory.py", "test_multihost.py", "test_jobs_kill.py",
+    "test_jobs_faults.py", "test_openapi.py",
+)  # fmt: skip
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with `LONGEST_FILES` handed out first (its other files as xdist orders
+    them). Leans on the scheduler's `workqueue` (pytest-xdist 3.x); without it, xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            queued = {scope.rsplit("/", 1)[-1]: scope for scope in self.workqueue}
+            first = next((queued[name] for name in LONGEST_FILES if name in queued), None)
+            if first is not None:
+                self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
