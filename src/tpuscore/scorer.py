@@ -23,7 +23,7 @@ from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models import loaders
-from tpuscore.models.adapters import LoraAdapter, load_adapter
+from tpuscore.models.adapters import LoraAdapter, load_adapters
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
@@ -60,7 +60,7 @@ class Scorer:
         maps (`engine.executables.Guard`; default one of its own, so one scorer's limit never
         drops another's executables; scorers given one guard share their executables)."""
         layout = sharding.make_layout(config, mesh, devices)
-        model = Model.build(config, params, dtype, layout, _load_adapters(adapters, config))
+        model = Model.build(config, params, dtype, layout, load_adapters(adapters, config))
         if profile is not None and not isinstance(profile, DeviceProfile):
             profile = DeviceProfile.load(profile)
         self.engine = Engine(
@@ -253,29 +253,3 @@ class Scorer:
     tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")
     backends = property(lambda self: self.engine.backends, doc="The `BackendPool`.")
     cost_model = property(lambda self: self.engine.cost_model, doc="auto's `CostModel`.")
-
-
-def _load_adapters(adapters: Adapters | None, config: ModelConfig) -> dict[str, LoraAdapter]:
-    """Each named adapter loaded for the base (a path, or an already loaded `LoraAdapter`);
-    a bad name or adapter is a ValidationError located at ("adapters", name)."""
-    if adapters is None:
-        return {}
-    if not isinstance(adapters, Mapping):
-        raise ValidationError(
-            "invalid_argument",
-            "adapters must be a mapping of name -> adapter directory, got "
-            f"{type(adapters).__name__}",
-            "adapters",
-        )
-    loaded = {}
-    for name, path in adapters.items():
-        if not isinstance(name, str) or not name:
-            raise ValidationError(
-                "invalid_argument", f"adapter names must be non-empty strings, got {name!r}",
-                "adapters",
-            )  # fmt: skip
-        try:
-            loaded[name] = path if isinstance(path, LoraAdapter) else load_adapter(path, config)
-        except ValidationError as e:
-            raise ValidationError(e.code, e.message, loc=("adapters", name)) from None
-    return loaded

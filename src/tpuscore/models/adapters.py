@@ -257,6 +257,34 @@ def stack_adapters(adapters: Sequence[LoraAdapter], config: ModelConfig) -> Adap
     return jax.tree.map(jax.numpy.asarray, AdapterStack(a, b, score, own_score))
 
 
+def load_adapters(
+    adapters: Mapping[str, Any] | None, config: ModelConfig
+) -> dict[str, LoraAdapter]:
+    """Each named adapter loaded for the base (a path, or an already loaded `LoraAdapter`);
+    a bad name or adapter is a ValidationError located at ("adapters", name)."""
+    if adapters is None:
+        return {}
+    if not isinstance(adapters, Mapping):
+        raise ValidationError(
+            "invalid_argument",
+            "adapters must be a mapping of name -> adapter directory, got "
+            f"{type(adapters).__name__}",
+            "adapters",
+        )
+    loaded = {}
+    for name, path in adapters.items():
+        if not isinstance(name, str) or not name:
+            raise ValidationError(
+                "invalid_argument", f"adapter names must be non-empty strings, got {name!r}",
+                "adapters",
+            )  # fmt: skip
+        try:
+            loaded[name] = path if isinstance(path, LoraAdapter) else load_adapter(path, config)
+        except ValidationError as e:
+            raise ValidationError(e.code, e.message, loc=("adapters", name)) from None
+    return loaded
+
+
 # -- in the decoder's layers ----------------------------------------------------------------------
 
 

@@ -9,24 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tpuscore.tasks.chunking import RankedDocument
 
-# Cohere's v2 rerank truncates every document to this many tokens unless told otherwise.
-COHERE_MAX_TOKENS_PER_DOC = 4096
-
-# The code of a field's wrong type or missing value; every other field's is `invalid_argument`.
-# They are the library's codes for the same arguments (tpuscore.api.validation).
-FIELD_CODES = {"query": "invalid_query", "items": "invalid_items", "documents": "invalid_documents"}
-
-# Codes the models' own checks raise, as their pydantic error type.
-TPUSCORE_CODES = frozenset(
-    {
-        "unknown_field",
-        "unsupported_field",
-        "invalid_documents",
-        "invalid_argument",
-        "ambiguous_request",
-    }
-)
-
 # Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
 # set them from the template and `max_tokens_per_doc`.
 SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
