@@ -49,7 +49,7 @@ class RerankEndpoints:
         )
         response = responses.RerankResponse(
             id=f"rerank-{uuid.uuid4().hex}",
-            model=body.model if body.model in self.scorer.adapters else self.model_name,
+            model=self.adapter(body.model) or self.model_name,
             usage=usage,
             results=results,
         )
