@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, positive_
 from test_server import TEMPLATE, ServerThread, error_of
 from tpuscore.api.requests import ScoreOptions
 from tpuscore.serving import app as server
-from tpuscore.serving import protocol
+from tpuscore.serving import score_protocol
 
 CASE = "qwen3_qknorm"
 # Small limits bound what the fuzzer can send, and so the shapes the model compiles for it.
@@ -78,14 +78,16 @@ def test_score_options_come_from_score_options(client):
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     fields = schemas["ScoreRequest"]["properties"]
     served = [
-        f for f in attrs.fields(ScoreOptions) if f.name not in protocol.SCORE_OPTIONS_NOT_SERVED
+        f
+        for f in attrs.fields(ScoreOptions)
+        if f.name not in score_protocol.SCORE_OPTIONS_NOT_SERVED
     ]
     assert served
     for option in served:
         assert option.name in fields
         assert fields[option.name].get("default") == option.default  # FastAPI omits null
         assert fields[option.name]["description"]
-    assert not set(protocol.SCORE_OPTIONS_NOT_SERVED) & set(fields)
+    assert not set(score_protocol.SCORE_OPTIONS_NOT_SERVED) & set(fields)
     assert schemas["ScoreRequest"]["required"] == ["query", "items"]
 
 

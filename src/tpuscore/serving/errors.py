@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
-from tpuscore.serving import dialects, guards, protocol
+from tpuscore.serving import dialects, guards, protocol, score_protocol
 from tpuscore.serving.batcher import DeadlineExceeded, Overloaded
 from tpuscore.serving.metrics import Metrics
 
@@ -57,7 +57,7 @@ async def request_invalid(request: Request, exc: RequestValidationError) -> Resp
     """A body that fails its model: the first error, as tpuscore's code and param."""
     error = exc.errors()[0]
     loc = error.get("loc") or ()
-    if len(loc) > 1 and loc[1] in protocol.VLLM_SHAPES:  # the score body's shape tag
+    if len(loc) > 1 and loc[1] in score_protocol.VLLM_SHAPES:  # the score body's shape tag
         dialects.speak(request.scope, "vllm")
     elif len(loc) > 1 and loc[1] == "tei":  # TEI's body on /rerank or /tokenize
         dialects.speak(request.scope, "tei")

@@ -14,7 +14,7 @@ from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
 from tpuscore.api.requests import RequestLimits
 from tpuscore.scorer import Scorer
-from tpuscore.serving import dialects, guards, protocol, responses
+from tpuscore.serving import dialects, guards, responses, score_protocol
 from tpuscore.serving.batcher import Batcher
 from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.metrics import CONTENT_TYPE, Metrics
@@ -82,9 +82,9 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
         work = self.batcher.score_async(timeout_s=timeout_s, **score_kwargs)
         return await guards.unless_disconnected(request.receive, work)
 
-    async def score_any(self, request: Request, body: protocol.AnyScoreRequest) -> Response:
+    async def score_any(self, request: Request, body: score_protocol.AnyScoreRequest) -> Response:
         """SGLang's or vLLM's score request, told apart by their fields."""
-        if isinstance(body, protocol.ScoreRequest):
+        if isinstance(body, score_protocol.ScoreRequest):
             dialects.speak(request.scope, "sglang")
             return await self.score(request, body)
         dialects.speak(request.scope, "vllm")

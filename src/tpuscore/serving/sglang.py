@@ -6,14 +6,14 @@ from fastapi import Request
 from starlette.responses import Response
 
 from tpuscore.api import bounds
-from tpuscore.serving import protocol, responses
+from tpuscore.serving import responses, score_protocol
 from tpuscore.serving.dialects import JSONResponse
 
 
 class SglangEndpoints:
     """SGLang's endpoint, over the `Service` attributes it reads (limits, scored, metrics)."""
 
-    async def score(self, request: Request, body: protocol.ScoreRequest) -> Response:
+    async def score(self, request: Request, body: score_protocol.ScoreRequest) -> Response:
         """SGLang's scoring: P(label | query + item) for each item and label; on a classification
         model (no label_token_ids), its class logits per item, or their softmax (sigmoid for one
         class) with apply_softmax, as SGLang scores SequenceClassification models."""
@@ -26,7 +26,11 @@ class SglangEndpoints:
             num_labels=bounds.label_count(body.labels, body.label_token_ids),
         )
         result = await self.scored(
-            request, query=body.query, items=items, adapter=adapter, **protocol.score_options(body)
+            request,
+            query=body.query,
+            items=items,
+            adapter=adapter,
+            **score_protocol.score_options(body),
         )
         self.metrics.scored(request.url.path, len(items), result)
         response = responses.ScoreResponse(

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
-from tpuscore.serving import protocol, responses
+from tpuscore.serving import protocol, responses, score_protocol
 from tpuscore.serving.dialects import JSONResponse
 from tpuscore.serving.errors import wire_names
 from tpuscore.tasks import ranking
@@ -29,9 +29,9 @@ class VllmEndpoints:
     async def score_pairs(
         self,
         request: Request,
-        body: protocol.VllmTextScoreRequest
-        | protocol.VllmQueriesScoreRequest
-        | protocol.VllmDataScoreRequest,
+        body: score_protocol.VllmTextScoreRequest
+        | score_protocol.VllmQueriesScoreRequest
+        | score_protocol.VllmDataScoreRequest,
     ) -> Response:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""
