@@ -30,31 +30,31 @@ A long-lived service bounds everything it holds, and spends no work on a request
   run: a small request waits at most about two batches, not the whole large request.
 - A failure is contained: the worker runs each batch as one `scorer.run` call per backend named
   in it, and a failure there fails the requests of that call only.
+
+This module is the callers' side (construction, admission, preparation, close); the queue's
+bookkeeping, the worker and the deadline thread are `batch_queue.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import heapq
 import itertools
-import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import attrs
 import numpy as np
 
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
-
-logger = logging.getLogger(__name__)
+from tpuscore.serving.batch_queue import BatchQueue, Pending, complete
+from tpuscore.serving.batch_queue import DeadlineExceeded as DeadlineExceeded
 
 # Query plus item tokens per batch. 8192 holds about 20 requests of SGLang's benchmark geometry
 # (a 300-token query, 10 items of 10 tokens): enough to fill an accelerator step, while one batch
@@ -97,42 +97,7 @@ class Overloaded(RuntimeError):
         self.max_pending = max_pending
 
 
-class DeadlineExceeded(TimeoutError):
-    """A request's deadline passed before its result was ready. It was dropped without being
-    scored (or, if a step was running it then, its result discarded). A server answers 504."""
-
-    def __init__(self, timeout_s: float):
-        super().__init__(
-            f"the request was not scored within its timeout of {timeout_s:g} s; "
-            "retry with a longer timeout or when the server is less loaded"
-        )
-        self.timeout_s = timeout_s
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-    """An accepted request: admitted, then prepared (tokenized) and queued until its last item is
-    scored. `settled` turns true once, under the batcher's lock, when it leaves the batcher."""
-
-    backend: str | None
-    future: Future
-    timeout_s: float | None
-    deadline: float | None  # time.monotonic()
-    estimate: int  # tokens reserved at admission, until the request is tokenized
-    request: ScoreRequest | None = None
-    enqueued: float = 0.0  # time.monotonic() when it (or its remainder) last joined the queue
-    done_items: int = 0
-    parts: list[ScoreResult] = dataclasses.field(default_factory=list)
-    settled: bool = False
-    queued: bool = False
-
-    @property
-    def tokens_left(self) -> int:
-        request = self.request
-        return len(request.query) + sum(map(len, request.items[self.done_items :]))
-
-
-class Batcher:
+class Batcher(BatchQueue):
     """Coalesces concurrent `score` calls on one scorer into shared `scorer.run` calls.
 
     A batch closes when it holds `max_batch_tokens` query and item tokens (default
@@ -204,12 +169,12 @@ class Batcher:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)  # the worker waits on it
         self._timer = threading.Condition(self._lock)  # the deadline thread waits on it
-        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queue: collections.deque[Pending] = collections.deque()
         self._queued_tokens = 0  # tokens left of the queued requests
         self._admitting = 0  # accepted requests not yet tokenized
         self._admitting_tokens = 0  # their estimates
         self._pending = 0  # accepted and not settled
-        self._deadlines: list[tuple[float, int, _Pending]] = []  # a heap
+        self._deadlines: list[tuple[float, int, Pending]] = []  # a heap
         self._sequence = itertools.count()
         self._closed = False
         self._stopped = False  # the worker has drained the queue: the deadline thread ends
@@ -316,7 +281,7 @@ class Batcher:
 
     # -- admission, then preparation -----------------------------------------------------------
 
-    def _admit(self, score_kwargs: dict[str, Any], timeout_s: Any) -> _Pending:
+    def _admit(self, score_kwargs: dict[str, Any], timeout_s: Any) -> Pending:
         """The cheap checks, before any tokenization: open, queue depth, the token estimate,
         timeout_s. Reserves the request's place and starts its deadline."""
         self._check_open()
@@ -346,7 +311,7 @@ class Batcher:
                 )
             now = time.monotonic()
             deadline = None if timeout_s is None else now + timeout_s
-            entry = _Pending(score_kwargs.get("backend"), Future(), timeout_s, deadline, estimate)
+            entry = Pending(score_kwargs.get("backend"), Future(), timeout_s, deadline, estimate)
             self._pending += 1
             self._admitting += 1
             self._admitting_tokens += estimate
@@ -357,7 +322,7 @@ class Batcher:
         entry.future.add_done_callback(lambda _: self._settle(entry))  # a caller's cancel()
         return entry
 
-    def _prepare(self, entry: _Pending, score_kwargs: dict[str, Any]) -> None:
+    def _prepare(self, entry: Pending, score_kwargs: dict[str, Any]) -> None:
         """Validate and tokenize the request, then queue it unless it was settled meanwhile
         (cancelled, or past its deadline). A bad request releases its place and raises."""
         try:
@@ -366,7 +331,7 @@ class Batcher:
         except BaseException as error:
             self._prepared(entry)
             if self._settle(entry):  # score_async awaits the future: it raises there too
-                _complete(entry.future, error=error)
+                complete(entry.future, error=error)
             raise
         with self._lock:
             self._prepared(entry)
@@ -374,7 +339,7 @@ class Batcher:
                 entry.request = request
                 self._enqueue(entry)
 
-    def _prepared(self, entry: _Pending) -> None:
+    def _prepared(self, entry: Pending) -> None:
         """Release the admission estimate of a request that is tokenized (or failed to be)."""
         with self._lock:
             self._admitting -= 1
@@ -388,183 +353,6 @@ class Batcher:
                     self._tokenize_workers, thread_name_prefix="tpuscore-tokenize"
                 )
             return self._tokenizer_pool
-
-    # -- the queue (under the lock) -------------------------------------------------------------
-
-    def _enqueue(self, entry: _Pending) -> None:
-        entry.enqueued = time.monotonic()
-        entry.queued = True
-        self._queue.append(entry)
-        self._queued_tokens += entry.tokens_left
-
-    def _dequeue(self, entry: _Pending) -> None:
-        if entry.queued:
-            entry.queued = False
-            self._queue.remove(entry)
-            self._queued_tokens -= entry.tokens_left
-
-    def _settle(self, entry: _Pending) -> bool:
-        """Take the request out of the batcher, once: True for the caller that did (and then
-        completes its future), False if it was already out."""
-        with self._lock:
-            if entry.settled:
-                return False
-            entry.settled = True
-            self._pending -= 1
-            self._dequeue(entry)
-            self._cond.notify_all()
-            return True
-
-    def _expire(self, entry: _Pending) -> None:
-        if self._settle(entry):
-            logger.info("a request passed its %g s deadline: dropped", entry.timeout_s)
-            _complete(entry.future, error=DeadlineExceeded(entry.timeout_s))
-
-    def _expire_due(self) -> None:
-        """The deadline thread: fails each request at its deadline, whatever the worker does."""
-        with self._lock:
-            while not self._stopped:
-                now = time.monotonic()
-                while self._deadlines and self._deadlines[0][0] <= now:
-                    self._expire(heapq.heappop(self._deadlines)[2])
-                while self._deadlines and self._deadlines[0][2].settled:
-                    heapq.heappop(self._deadlines)
-                self._timer.wait(self._deadlines[0][0] - now if self._deadlines else None)
-
-    # -- the worker ----------------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            start = time.perf_counter()
-            outcomes = self._run(batch)
-            for (entry, chunk), (result, error) in zip(batch, outcomes, strict=True):
-                if error is not None:
-                    if self._settle(entry):
-                        _complete(entry.future, error=error)
-                elif result is not None:
-                    self._advance(entry, len(chunk.items), result)
-            logger.debug(
-                "batch of %d requests, %d tokens, in %.1f ms",
-                len(batch),
-                sum(_tokens(chunk) for _, chunk in batch),
-                1e3 * (time.perf_counter() - start),
-            )
-
-    def _advance(self, entry: _Pending, num_items: int, result: ScoreResult) -> None:
-        """A batch scored the next num_items of the request: finish it, or queue its remainder
-        at the end of the queue (unless it was settled while its batch ran)."""
-        with self._lock:
-            if entry.settled:
-                return
-            entry.parts.append(result)
-            entry.done_items += num_items
-            if entry.done_items < len(entry.request.items):
-                self._enqueue(entry)
-                self._cond.notify_all()
-                return
-        if self._settle(entry):  # before its caller wakes, so that it may submit at once
-            _complete(entry.future, result=ScoreResult.concat(entry.parts))
-
-    def _next_batch(self) -> list[tuple[_Pending, ScoreRequest]] | None:
-        """Wait for requests, then until the batch is full or its oldest has waited max_wait_ms
-        (not at all once closed); None when closed and drained. Takes each request's next
-        chunk in queue order, dropping those past their deadline."""
-        with self._lock:
-            while True:
-                self._drop_expired()
-                if self._queue:
-                    break
-                if self._closed and not self._admitting:
-                    return None
-                self._cond.wait()
-            deadline = self._queue[0].enqueued + self.max_wait_ms / 1e3
-            while not self._closed and self._queued_tokens < self.max_batch_tokens:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            self._drop_expired()
-            batch: list[tuple[_Pending, ScoreRequest]] = []
-            room = self.max_batch_tokens
-            now = time.monotonic()
-            for entry in list(self._queue):
-                chunk = self._chunk(entry, room, first=not batch)
-                if chunk is None:
-                    break
-                self._dequeue(entry)
-                if entry.done_items == 0 and self.on_batched is not None:
-                    self.on_batched(now - entry.enqueued)
-                batch.append((entry, chunk))
-                room -= _tokens(chunk)
-            return batch
-
-    def _drop_expired(self) -> None:
-        now = time.monotonic()
-        for entry in [e for e in self._queue if e.deadline is not None and e.deadline <= now]:
-            self._expire(entry)
-
-    def _chunk(self, entry: _Pending, room: int, *, first: bool) -> ScoreRequest | None:
-        """The request's next items that fit the batch's room and the per-request cap (at least
-        one when the batch is empty); None when they do not fit. A request within the cap is
-        never split, so it keeps the exact scores of running alone."""
-        request, start = entry.request, entry.done_items
-        left = entry.tokens_left
-        if left <= self.max_request_step_tokens and (first or left <= room):
-            items = request.items[start:]
-        elif left <= self.max_request_step_tokens:
-            return None
-        else:
-            limit = min(room, self.max_request_step_tokens)
-            end, tokens = start, len(request.query)
-            while end < len(request.items) and tokens + len(request.items[end]) <= limit:
-                tokens += len(request.items[end])
-                end += 1
-            if end == start:
-                if not first:
-                    return None
-                end = start + 1
-            items = request.items[start:end]
-        if start == 0 and len(items) == len(request.items):
-            return request
-        return attrs.evolve(request, items=items)
-
-    def _run(
-        self, batch: list[tuple[_Pending, ScoreRequest]]
-    ) -> list[tuple[ScoreResult | None, Exception | None]]:
-        """(result, error) per chunk: one `scorer.run` per backend named in the batch. Every
-        chunk runs: its request was live when the batch was dispatched, and one settled since
-        (cancelled, past its deadline) has its result discarded by `_advance`, so that whether
-        a request is scored never depends on how far the worker got when it was cancelled."""
-        outcomes: list[tuple[ScoreResult | None, Exception | None]] = [(None, None)] * len(batch)
-        by_backend: dict[str | None, list[int]] = {}
-        for i, (entry, _) in enumerate(batch):
-            by_backend.setdefault(entry.backend, []).append(i)
-        for backend, members in by_backend.items():
-            requests = [batch[i][1] for i in members]
-            try:
-                results = self.scorer.run(requests, backend=backend)
-            except ValidationError:
-                # The plan refused a request before anything ran (a backend unregistered since
-                # submission, say): run each alone, so that only its caller gets the error.
-                for i in members:
-                    outcomes[i] = self._run_alone(batch[i][1], backend)
-                continue
-            except Exception as error:  # the step failed: its callers get the error
-                logger.warning("a batch of %d requests failed: %r", len(members), error)
-                for i in members:
-                    outcomes[i] = (None, error)
-                continue
-            for i, result in zip(members, results, strict=True):
-                outcomes[i] = (result, None)
-        return outcomes
-
-    def _run_alone(
-        self, request: ScoreRequest, backend: str | None
-    ) -> tuple[ScoreResult | None, Exception | None]:
-        try:
-            return self.scorer.run([request], backend=backend)[0], None
-        except Exception as error:
-            return None, error
 
 
 def estimate_tokens(query: Any, items: Any) -> int:
@@ -583,21 +371,6 @@ def estimate_tokens(query: Any, items: Any) -> int:
     if isinstance(items, (list, tuple)):
         total += sum(map(size, items))
     return total
-
-
-def _tokens(request: ScoreRequest) -> int:
-    return len(request.query) + sum(map(len, request.items))
-
-
-def _complete(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
-    """Finish a future unless its caller cancelled it meanwhile."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def _retrieved(future: asyncio.Future) -> None:
