@@ -9,7 +9,7 @@ import pytest
 
 from helpers import SpyBackend
 from tpuscore import ValidationError, backends
-from tpuscore.api import validation
+from tpuscore.api import argument_checks
 
 CASE = "llama_gqa_untied"  # vocab 331, max_position_embeddings 512
 
@@ -134,10 +134,10 @@ def test_token_ids_accept_exactly_ints_inside_the_vocabulary(values):
     ints = all(type(v) is int for v in values)  # also as an int64 array
     for given in [values, np.array(values, dtype=np.int64)] if ints else [values]:
         if not bad:
-            ids = validation._token_ids(given, "query", "invalid_query", vocab)
+            ids = argument_checks.token_ids(given, "query", "invalid_query", vocab)
             assert ids == [int(v) for v in values] and all(type(t) is int for t in ids)
             assert ids is not given  # the caller's list is not kept
         else:
             with pytest.raises(ValidationError) as e:
-                validation._token_ids(given, "query", "invalid_query", vocab)
+                argument_checks.token_ids(given, "query", "invalid_query", vocab)
             assert f"query[{bad[0]}]" in str(e.value)
