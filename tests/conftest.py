@@ -45,9 +45,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The quick loop (`-m "not slow"`) runs one case of each parametrized test, the one its
-    name picks (so families and backends all get a turn across tests); its other cases are
-    marked slow. CI runs every case."""
+    """The quick loop (`-m "not slow and not extra_case"`) runs one case of each parametrized
+    test, the one its name picks (so families and backends all get a turn across tests); its
+    other cases are marked `extra_case`. CI runs every case."""
     cases: dict[tuple, list] = {}
     for item in items:
         if hasattr(item, "callspec"):
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
         quick = zlib.crc32(name.encode()) % len(group)
         for index, item in enumerate(group):
             if index != quick:
-                item.add_marker(pytest.mark.slow)
+                item.add_marker(pytest.mark.extra_case)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -173,9 +173,9 @@ def hf_default_model(default_model_path):
 # hands out files with the most tests first, so these, with one or two long tests each, would
 # start last and run alone at the end while the other worker idles: they are handed out first.
 LONGEST_FILES = (
-    "test_sharding.py", "test_soak.py", "test_shapes.py", "test_lm_eval.py",
-    "test_ray_serve.py", "test_jobs_memory.py", "test_multihost.py", "test_jobs_kill.py",
-    "test_jobs_faults.py", "test_openapi.py",
+    "test_sharding.py", "test_soak.py", "test_shapes.py", "test_ray_serve.py",  # slow only
+    "test_equivalence_matrix.py", "test_prefill_extend.py", "test_lm_eval.py", "test_packed.py",
+    "test_parity_hf.py", "test_jobs_faults.py",
 )  # fmt: skip
 
 

@@ -253,7 +253,6 @@ def test_off_or_unbuildable_means_xla_ops(tmp_path, env, logged):
     assert logged in run.stderr
 
 
-@pytest.mark.slow  # a pytest run in a subprocess
 def test_a_kernel_that_does_not_build_fails_these_tests_where_it_could_run(tmp_path):
     """Where the platform can run the kernel, a compiler that fails (into an empty cache) makes
     the kernel's tests fail, not skip: CI on an AVX-512 machine cannot pass without it."""

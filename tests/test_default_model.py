@@ -46,7 +46,6 @@ ITEMS = [
 ]
 
 
-@pytest.mark.slow  # the full-size model against transformers
 @pytest.mark.parametrize("item_first", [False, True])
 def test_parity_with_transformers(scorer, hf_default_model, item_first):
     labels = [" yes", " no", "yes", "no"]

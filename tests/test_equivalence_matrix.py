@@ -321,7 +321,6 @@ def ray_params():
     return [pytest.param(c, m, id=f"{c}-{m}") for c, m in RAY_CASE_MODES]
 
 
-@pytest.mark.slow  # a local Ray cluster: its worker processes start, import JAX and compile
 @pytest.mark.parametrize("case, mode", ray_params())
 def test_ray_data_equals_the_library(doors, ray_cluster, checkpoint_dir, case, mode):
     import ray
@@ -366,7 +365,6 @@ def test_ray_data_equals_the_library(doors, ray_cluster, checkpoint_dir, case, m
     run()
 
 
-@pytest.mark.slow  # the bigger profile: more draws through the in-process doors
 @pytest.mark.parametrize("case", CASES)
 def test_more_draws_through_the_library_and_the_batcher(doors, case):
     d = doors(case, "default")

@@ -36,8 +36,6 @@ TEMPLATE = templates.Template(
     default_instruction="",
 )  # fmt: skip
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def checkpoint(checkpoint_dir, tmp_path_factory):

@@ -1,4 +1,5 @@
-"""The server's wire format: a typed request and response model for every endpoint.
+"""The server's wire format: the typed request models of the endpoints other than score
+(serving/score_protocol.py) and the responses (serving/responses.py), and the errors they make.
 
 Why pydantic v2 with FastAPI: these models are the one declaration of the wire format. FastAPI
 parses each request body into its model, generates the OpenAPI document from the models

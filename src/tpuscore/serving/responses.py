@@ -1,5 +1,5 @@
 """The wire format of the server's answers: a pydantic model per endpoint's response (the
-requests are `protocol`'s); `/openapi.json` describes them from these."""
+requests are `protocol`'s and `score_protocol`'s); `/openapi.json` describes them from these."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpuscore.tasks.chunking import RankedDocument
-
-# Options /v1/score does not take: SGLang's request has no such fields, and the rerank endpoints
-# set them from the template and `max_tokens_per_doc`.
-SCORE_OPTIONS_NOT_SERVED = ("item_suffix", "max_item_tokens", "truncate")
 
 
 class Usage(BaseModel):

@@ -122,8 +122,6 @@ AnyTokenizeRequest = Annotated[
     | SkipJsonSchema[Annotated[_AmbiguousRequest, pydantic.Tag("ambiguous")]],
     pydantic.Discriminator(_shape(TEI_TOKENIZE_FIELD, OTHER_TOKENIZE_FIELD)),
 ]
-# The union tags above, which an error's location drops (protocol.error_fields).
-SHAPE_TAGS = frozenset({"other", "tei", "ambiguous"})
 
 # -- responses ------------------------------------------------------------------------------------
 
