@@ -365,6 +365,7 @@ def test_ray_data_equals_the_library(doors, ray_cluster, checkpoint_dir, case, m
     run()
 
 
+@pytest.mark.slow  # the bigger profile: the matrix above runs in CI with the default one
 @pytest.mark.parametrize("case", CASES)
 def test_more_draws_through_the_library_and_the_batcher(doors, case):
     d = doors(case, "default")

@@ -81,7 +81,10 @@ async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awai
         watch.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled() or not task.done():
+            # The work drops itself (a batcher request gives up its place) before the client is
+            # answered: answered first, a worker freed meanwhile could still score it.
+            await asyncio.wait({task})
+    if task.cancelled():
         raise ClientDisconnected()
     return task.result()
 
