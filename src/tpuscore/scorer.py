@@ -17,19 +17,15 @@ from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import compilation_cache, executables, planning, progress, selection
+from tpuscore.engine import building, executables, planning, progress, selection
 from tpuscore.engine.profiles import DeviceProfile
-from tpuscore.engine.runner import Engine
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
-from tpuscore.models import loaders
-from tpuscore.models.adapters import LoraAdapter, load_adapters
+from tpuscore.models.adapters import LoraAdapter
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
-from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
-from tpuscore.parallel import sharding
-from tpuscore.tasks import calibrated, loglikelihood, prompt_logprobs, ranking
+from tpuscore.tasks import calibrated, loglikelihood, prompt_logprobs
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
@@ -51,60 +47,42 @@ class Scorer:
         backend_options: BackendOptions | None = None, selector: planning.Selector | None = None,
         profile: Profile | None = None, mesh: jax.sharding.Mesh | None = None,
         devices: Sequence[jax.Device] | None = None, batch_invariant: bool = False,
-        executables_guard: executables.Guard | None = None,
-        adapters: Adapters | None = None,
+        executables_guard: executables.Guard | None = None, adapters: Adapters | None = None,
     ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
-        other arguments as `from_pretrained`'s. selector: what "auto" runs (a `Selector`).
-        executables_guard: keeps this scorer's compiled executables within the process's memory
-        maps (`engine.executables.Guard`; default one of its own, so one scorer's limit never
-        drops another's executables; scorers given one guard share their executables)."""
-        layout = sharding.make_layout(config, mesh, devices)
-        model = Model.build(config, params, dtype, layout, load_adapters(adapters, config))
-        if profile is not None and not isinstance(profile, DeviceProfile):
-            profile = DeviceProfile.load(profile)
-        self.engine = Engine(
-            model, tokenizer, backend=backend, backend_options=backend_options,
-            selector=selector, profile=profile, batch_invariant=batch_invariant,
+        other arguments as `from_pretrained`'s, selector and executables_guard as `Engine`'s."""
+        self.engine = building.build(
+            config, params, tokenizer, dtype=dtype, mesh=mesh, devices=devices,
+            adapters=adapters, profile=profile, backend=backend, backend_options=backend_options,
+            selector=selector, batch_invariant=batch_invariant,
             executables_guard=executables_guard,
         )  # fmt: skip
         self.score_calibration = None  # a `Calibration`: see from_pretrained
 
     @classmethod
     def from_pretrained(
-        cls,
-        model: str | os.PathLike | None = None,
-        *,
-        dtype: Any = None,
-        backend: str = registry.AUTO,
-        backend_options: BackendOptions | None = None,
-        revision: str | None = None,
-        local_files_only: bool = False,
+        cls, model: str | os.PathLike | None = None, *, dtype: Any = None,
+        backend: str = registry.AUTO, backend_options: BackendOptions | None = None,
+        revision: str | None = None, local_files_only: bool = False,
         cache_dir: str | os.PathLike | None = None,
-        compilation_cache_dir: str | os.PathLike | None = None,
-        profile: Profile | None = None,
-        mesh: jax.sharding.Mesh | None = None,
-        devices: Sequence[jax.Device] | None = None,
-        batch_invariant: bool = False,
-        score_calibration: str | os.PathLike | None = None,
-        executables_guard: executables.Guard | None = None,
-        adapters: Adapters | None = None,
-    ) -> Scorer:
+        compilation_cache_dir: str | os.PathLike | None = None, profile: Profile | None = None,
+        mesh: jax.sharding.Mesh | None = None, devices: Sequence[jax.Device] | None = None,
+        batch_invariant: bool = False, score_calibration: str | os.PathLike | None = None,
+        executables_guard: executables.Guard | None = None, adapters: Adapters | None = None,
+    ) -> Scorer:  # fmt: skip
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors.
         adapters: name -> PEFT LoRA adapter directory, loaded and stacked once; a request picks
         one with `adapter="name"` (docs/adapters.md)."""
-        compilation_cache.enable(compilation_cache_dir)
-        config, params, tokenizer = loaders.load(
-            model, dtype=base_dtype(resolve_precision(dtype)), revision=revision,
+        config, params, tokenizer = building.load(
+            model, dtype=dtype, mesh=mesh, devices=devices,
+            compilation_cache_dir=compilation_cache_dir, revision=revision,
             local_files_only=local_files_only, cache_dir=cache_dir,
-            layout_for=lambda c: sharding.make_layout(c, mesh, devices),
         )  # fmt: skip
         scorer = cls(
-            config, params, tokenizer, dtype=dtype, backend=backend,
+            config, params, tokenizer, dtype=dtype, backend=backend, adapters=adapters,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
-            adapters=adapters,
         )  # fmt: skip
         if score_calibration is not None:  # docs/calibration.md
             scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)
@@ -112,8 +90,6 @@ class Scorer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
-        if self.tokenizer is None:
-            raise ValueError("a scorer without a tokenizer cannot be saved")
         orbax.save(path, self.config, self.params, self.tokenizer)
 
     def score(
@@ -121,11 +97,9 @@ class Scorer:
         backend: str | None = None, chunking: Chunking | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> ScoreResult | ChunkedResult:  # fmt: skip
-        """log P(label | query + item) after each item: a `ScoreResult`, logprobs float32 [items,
-        labels]. query: text or token ids; items: the same kind; labels: label_token_ids or
-        `labels=`; other options: `ScoreOptions`. backend: a registered name or "auto" (default
-        the scorer's). Bad input raises ValidationError (`code`, `param`) before anything runs.
-        chunking: score each item by its chunks, a `ChunkedResult` (docs/chunking.md)."""
+        """log P(label | query + item) after each item, a `ScoreResult` (with chunking, a
+        `ChunkedResult`); options: `ScoreOptions`. Bad input raises ValidationError before
+        anything runs. docs/api.md has every argument."""
         if chunking is not None:
             options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
             return chunked.score(self.engine, query, items, chunking, options, backend=backend)
@@ -161,8 +135,7 @@ class Scorer:
     def prepare_request(
         self, request: Mapping[str, Any], *, backend: str | None = None
     ) -> ScoreRequest:
-        """One request as a mapping of `score`'s arguments (as `score_batch` takes each),
-        prepared for `run`; `backend` checked to run it. Raises located ValidationErrors."""
+        """One request as a mapping of `score`'s arguments, prepared for `run` on `backend`."""
         return self.engine.prepare_request(request, backend)
 
     def prepare_batch(
@@ -177,8 +150,7 @@ class Scorer:
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
     ) -> list[ValidationError | None]:
         """Per request, its located ValidationError or None if `score_batch` takes it."""
-        prepared = self.prepare_batch(requests, backend=backend, errors="return")
-        return [p if isinstance(p, ValidationError) else None for p in prepared]
+        return self.engine.validate_batch(requests, backend)
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
@@ -194,22 +166,13 @@ class Scorer:
         backend: str | None = None, show_progress: bool = False,
         chunking: Chunking | Mapping[str, Any] | None = None, **options: Any,
     ) -> list[RankedItem] | list[RankedDocument]:  # fmt: skip
-        """The items sorted by the positive label's probability within the labels (at least
-        two; or a template's), best first, ties in input order. positive: default the first
-        label, or on a classification model the relevant class (the last), as the server's
-        rerank ranks; a template there supplies the text and suffix, not labels. Options:
-        `ScoreOptions`.
-        chunking: rank each item by its chunks, `RankedDocument`s (docs/chunking.md)."""
-        if chunking is not None:
-            return chunked.rank(
-                self.engine, query, items, chunking, ScoreOptions.from_mapping(options),
-                positive=positive, top_k=top_k, template=template, instruction=instruction,
-                backend=backend,
-            )  # fmt: skip
-        return ranking.rank(
-            self.engine, query, items, ScoreOptions.from_mapping(options), positive=positive,
-            top_k=top_k, template=template, instruction=instruction, backend=backend,
-            show_progress=show_progress,
+        """The items best first by the positive label's probability within the labels (or a
+        template's; on a classifier, the relevant class's), ties in input order; with chunking,
+        documents by their chunks (docs/chunking.md). docs/api.md has every argument."""
+        return chunked.rank_items(
+            self.engine, query, items, chunking, ScoreOptions.from_mapping(options),
+            positive=positive, top_k=top_k, template=template, instruction=instruction,
+            backend=backend, show_progress=show_progress,
         )  # fmt: skip
 
     def loglikelihood(
@@ -219,9 +182,8 @@ class Scorer:
         return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
-        """Per prompt (token ids), log P(token | tokens before it) for every token and the
-        most likely tokens at every position and after it; prompts sharing a prefix share its
-        computation (OpenAI's completions echo, docs/completions.md)."""
+        """Per prompt (token ids), every token's log-probability and the most likely tokens at
+        each position (OpenAI's completions echo, docs/completions.md)."""
         return prompt_logprobs.prompt_logprobs(self.engine, prompts)
 
     def warmup(

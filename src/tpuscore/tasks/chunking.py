@@ -221,3 +221,16 @@ def rank(
     for r in ranked:
         relevance[r.index] = r.score
     return rank_documents(aggregate(chunks, relevance, chunking), list(items), top_k)
+
+
+def rank_items(
+    engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions, *,
+    show_progress: bool = False, **rank_options: Any,
+) -> list[ranking.RankedItem] | list[RankedDocument]:  # fmt: skip
+    """`Scorer.rank`: the items ranked whole (`ranking.rank`), or by their chunks (`rank`)
+    where `chunking` is given."""
+    if chunking is None:
+        return ranking.rank(
+            engine, query, items, options, show_progress=show_progress, **rank_options
+        )
+    return rank(engine, query, items, chunking, options, **rank_options)

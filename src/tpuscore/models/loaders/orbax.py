@@ -28,7 +28,11 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def save(path: str | Path, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer):
+def save(
+    path: str | Path, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None
+):
+    if tokenizer is None:
+        raise ValueError("a scorer without a tokenizer cannot be saved")
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists and is not empty; save into a new directory")
