@@ -14,10 +14,11 @@ from tpuscore.backends.buckets import (
     row_buckets,
 )
 
-TOKEN_LADDER = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+TOKEN_LADDER = [16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640,
+                768, 896, 1024]
 
 
-def test_token_buckets_climb_by_one_and_a_half_then_four_thirds():
+def test_token_buckets_climb_by_halves_then_by_quarter_octaves():
     assert MIN_TOKEN_BUCKET == 16
     assert sorted({bucket_tokens(n) for n in range(0, 1025)}) == TOKEN_LADDER
     for low, high in zip(TOKEN_LADDER, TOKEN_LADDER[1:], strict=False):
@@ -25,14 +26,17 @@ def test_token_buckets_climb_by_one_and_a_half_then_four_thirds():
 
 
 def test_token_buckets_take_their_minimum():
-    assert [bucket_tokens(n, minimum=8) for n in (0, 8, 9, 12, 13, 17)] == [8, 8, 12, 12, 16, 24]
+    assert [bucket_tokens(n, minimum=8) for n in (0, 8, 9, 12, 13, 17, 33, 41)] == [
+        8, 8, 12, 12, 16, 24, 40, 48
+    ]
 
 
 @hypothesis.given(st.integers(0, 10**7))
-def test_a_token_bucket_holds_n_with_at_most_a_third_padding(n):
+def test_a_token_bucket_holds_n_with_at_most_a_third_padding_and_a_fifth_past_64(n):
     b = bucket_tokens(n)
     assert b >= max(n, 1)
     assert b == MIN_TOKEN_BUCKET or 3 * (b - n) <= b  # padding at most a third of the bucket
+    assert n <= 4 * MIN_TOKEN_BUCKET or 5 * (b - n) <= b  # and a fifth once past 64
 
 
 @hypothesis.given(st.integers(0, 10**7), st.integers(1, 64))

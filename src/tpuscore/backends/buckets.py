@@ -11,10 +11,17 @@ MIN_LABEL_BUCKET = 16  # gathering a few more labels costs nothing; a recompile 
 
 
 def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET) -> int:
-    """Smallest of minimum * {1, 1.5, 2, 3, 4, 6, ...} that holds n: at most 1/3 padding."""
+    """Smallest bucket that holds n: minimum * {1, 1.5, 2, 3}, then quarter steps between powers
+    of two (64, 80, 96, 112, 128, 160, ... for minimum 16). Padding is at most a third of the
+    bucket, and at most a fifth past 4 * minimum: there a step's time is its tokens' matmuls, so
+    padding is paid in full (100-token items run in 112, not 128), and each extra bucket costs
+    only a compile (docs/benchmarks.md, "Finer token buckets")."""
     size = minimum
     while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        if size < 4 * minimum:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+        else:
+            size += pow2_floor(size) // 4
     return size
 
 
