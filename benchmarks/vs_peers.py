@@ -16,7 +16,12 @@ every system in a rotated order; tables show medians. CPU s/s is the CPU time th
 tree used during its calls over their wall time (2.0 = two busy cores), so a system that got less
 CPU on a shared machine shows it; "idle CPU" is what a peer burnt between its calls (spinning
 OpenMP threads take it from the others). Max |dlogprob| compares every system with tpuscore
-float32 on every round. Every system gets the same cores: the driver pins itself (and so the
+float32 on every round. "Model GFLOP/s" is the work every system must do (each real token
+through every projection and MLP, the LM head at each item's last token; attention left out)
+over its median time; after the table, each system's rate is set against JAX's own dot rate at
+the model's MLP shape in the system's dtype, measured before and after the peers: a system near
+100% of that rate is bounded by the CPU's matrix throughput, not by its software. Every system
+gets the same cores: the driver pins itself (and so the
 peers it starts) to `--cpus` (default 0-1) before JAX starts its thread pool, llama.cpp runs two
 threads and vLLM binds its OpenMP threads to those cores. A peer that is missing is printed as
 not installed, with its install command. `nox -s peers` installs both peers and runs this.
@@ -112,6 +117,7 @@ class System:
     cpu: list = field(default_factory=list)
     gaps: list = field(default_factory=list)
     in_calls: float = 0.0  # CPU seconds spent inside calls, for the idle figure
+    rates: dict = field(default_factory=dict)  # geometry -> model GFLOP/s
 
 
 def own_cpu() -> float:
@@ -186,10 +192,10 @@ class Worker:
         self.log.close()
 
 
-def tpuscore_systems(args) -> tuple[list[System], list[str], int]:
+def tpuscore_systems(args) -> tuple[list[System], list[str], object]:
     from tpuscore.models.model import resolve_precision
 
-    systems, notes, vocab = [], [], 0
+    systems, notes, config = [], [], None
     for dtype in args.tpuscore:
         try:
             resolve_precision(dtype)
@@ -197,10 +203,10 @@ def tpuscore_systems(args) -> tuple[list[System], list[str], int]:
             notes.append(f"tpuscore dtype {dtype!r}: not accepted by this tpuscore ({error})")
             continue
         scorer = Scorer.from_pretrained(None, dtype=dtype)
-        vocab = scorer.config.vocab_size
+        config = scorer.config
         score = lambda q, i, lab, s=scorer: s.score(q, i, lab, backend=args.backend).logprobs  # noqa: E731
         systems.append(System(f"tpuscore {dtype}", score, own_cpu, f"backend {args.backend}"))
-    return systems, notes, vocab
+    return systems, notes, config
 
 
 def peer_systems(args, gguf: str, tmp: pathlib.Path) -> tuple[list[System], list[str]]:
@@ -264,8 +270,9 @@ def call(system: System, query, items, labels, timed: bool = True) -> np.ndarray
     return out
 
 
-def run_geometry(geometry, systems: list[System], args, rng, vocab: int) -> list[str]:
+def run_geometry(geometry, systems: list[System], args, rng, config) -> list[str]:
     query_len, n_items, item_len = geometry
+    vocab, gflop = config.vocab_size, model_gflop(config, geometry)
 
     def draw():
         query = rng.integers(0, vocab, query_len).tolist()
@@ -299,12 +306,13 @@ def run_geometry(geometry, systems: list[System], args, rng, vocab: int) -> list
         loads.append(os.getloadavg()[0])
     rows = []
     for s in live:
+        s.rates[geometry] = gflop / statistics.median(s.times)
         med = statistics.median(s.times)
         spread = (max(s.times) - min(s.times)) / med
         gap = f"{max(s.gaps):.3f}" if s.gaps else "n/a"
         rows.append(
             f"| {query_len}, {n_items}, {item_len} | {s.name} | {n_items / med:.2f} | "
-            f"{statistics.median(s.cpu):.2f} | {gap} | {spread:.0%} | "
+            f"{gflop / med:.0f} | {statistics.median(s.cpu):.2f} | {gap} | {spread:.0%} | "
             f"{statistics.mean(loads):.2f} |"
         )
     return rows
@@ -322,6 +330,69 @@ def parse_cpus(text: str) -> set[int]:
 def parse_geometry(text: str) -> tuple[int, int, int]:
     q, n, t = (int(x) for x in text.split(","))
     return q, n, t
+
+
+def model_gflop(config, geometry) -> float:
+    """GFLOP every system must spend on a request: each real token through every projection and
+    the MLP, and the LM head at each item's last token (attention, norms and padding left out)."""
+    query_len, n_items, item_len = geometry
+    D, F, H = config.hidden_size, config.intermediate_size, config.head_dim
+    attention = 2 * D * H * (config.num_heads + config.num_kv_heads)  # q, o; k, v
+    per_token = 2 * config.num_layers * (attention + 3 * D * F)
+    tokens = query_len + n_items * item_len
+    return (tokens * per_token + n_items * 2 * D * config.vocab_size) / 1e9
+
+
+def dot_rates(config, tokens: int = 2048, repeats: int = 7) -> dict[str, float]:
+    """JAX's GFLOP/s for [tokens, D] x [D, F], the model's MLP shape, in float32 (as the decoder
+    asks: HIGHEST) and bfloat16 with float32 accumulation (as `mixed` asks)."""
+    import jax
+    import jax.numpy as jnp
+
+    D, F = config.hidden_size, config.intermediate_size
+    rates = {}
+    for dtype in ("float32", "bfloat16"):
+        a, b = jnp.ones((tokens, D), dtype), jnp.ones((D, F), dtype)
+        if dtype == "bfloat16":
+            fn = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+        else:
+            fn = jax.jit(lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST))
+        fn(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(10):
+                fn(a, b).block_until_ready()
+            times.append((time.perf_counter() - start) / 10)
+        rates[dtype] = 2 * tokens * D * F / statistics.median(times) / 1e9
+    return rates
+
+
+def print_roofline(systems, geometries, before: dict, after: dict) -> None:
+    """Each system's model GFLOP/s as a share of JAX's dot rate in its dtype (the faster of the
+    rates before and after the peers)."""
+    print("\nJAX dot [2048 x D] x [D x F] GFLOP/s before / after the peers: "
+          + ", ".join(f"{d} {before[d]:.0f} / {after[d]:.0f}" for d in before))  # fmt: skip
+    print("\n| (query, items, item tokens) | "
+          + " | ".join(f"{s.name} % of dot" for s in systems) + " |")  # fmt: skip
+    print("| --- |" + " ---: |" * len(systems))
+    for g in geometries:
+        cells = []
+        for s in systems:
+            dtype = system_dtype(s.name)
+            if dtype is None or g not in s.rates:
+                cells.append("n/a")
+                continue
+            cells.append(f"{100 * s.rates[g] / max(before[dtype], after[dtype]):.0f}%")
+        print(f"| {', '.join(map(str, g))} | " + " | ".join(cells) + " |")
+
+
+def system_dtype(name: str) -> str | None:
+    """The dtype a system's matmuls run in, for the dot rate it is set against (None: neither,
+    as llama.cpp's quantized blocks)."""
+    if name.endswith("float32"):
+        return "float32"
+    return "bfloat16" if name.endswith(("bfloat16", "mixed")) else None
 
 
 def main() -> None:
@@ -363,22 +434,24 @@ def main() -> None:
     print(f"- model: {os.path.basename(gguf)}; {LABELS} labels; medians of {args.rounds} "
           "interleaved rounds, a fresh query each; SGLang's geometry is (300, 10, 10)")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="vs_peers_") as tmp:
-        systems, notes, vocab = tpuscore_systems(args)
-        if not vocab:
+        systems, notes, config = tpuscore_systems(args)
+        if config is None:
             sys.exit("no tpuscore dtype to run: " + "; ".join(notes))
         peers, peer_notes = peer_systems(args, gguf, pathlib.Path(tmp))
         systems += peers
         for note in notes + peer_notes:
             print(f"- {note}")
+        before = dot_rates(config)
         start_cpu = {s.name: s.cpu_seconds() for s in systems}
         start = time.perf_counter()
-        print("\n| (query, items, item tokens) | system | items/s | CPU s/s | max abs dlogprob "
-              "vs tpuscore float32 | spread | load avg |")  # fmt: skip
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
+        print("\n| (query, items, item tokens) | system | items/s | model GFLOP/s | CPU s/s | "
+              "max abs dlogprob vs tpuscore float32 | spread | load avg |")  # fmt: skip
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
         for g in args.geometry:
-            for row in run_geometry(g, systems, args, np.random.default_rng(args.seed), vocab):
+            for row in run_geometry(g, systems, args, np.random.default_rng(args.seed), config):
                 print(row, flush=True)
         elapsed = time.perf_counter() - start
+        print_roofline(systems, args.geometry, before, dot_rates(config))
         for s in systems:
             if s.close is not None:
                 idle = (s.cpu_seconds() - start_cpu[s.name] - s.in_calls) / elapsed
