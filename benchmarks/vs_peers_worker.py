@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -110,6 +111,11 @@ def main() -> None:
     parser.add_argument("--flash-attn", action="store_true")
     parser.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false")
     args = parser.parse_args()
+    # The driver starts this worker as the leader of its own process group, and the kernel sends
+    # it SIGTERM if the driver dies: it then takes its group down with it (vLLM's engine
+    # process among them), which would otherwise spin on for minutes, taking the CPU from runs
+    # that follow.
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     out = protocol_stream()
     peer = VllmPeer(args) if args.system == "vllm" else LlamaCppPeer(args)
     out.write(json.dumps({"ready": True, "describe": peer.description}) + "\n")

@@ -283,27 +283,39 @@ def gpu_pool():
     return pool
 
 
-def calibration_pool(name):
-    """The backends a calibration run priced: the default model on the CPU, `gpu_pool` on the
-    H200."""
-    if name == "cpu":
-        return BackendPool(Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32)), None)
+def calibration_pool(run):
+    """The backends a calibration run priced: the default model on the CPU (in the run's dtype:
+    `--dtype mixed` prices bfloat16 matmuls), `gpu_pool` on the H200."""
+    if run.startswith("cpu"):
+        precision = "mixed" if run == "cpu_mixed" else "float32"
+        model = Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32), precision=precision)
+        return BackendPool(model, None)
     return gpu_pool()
 
 
-@pytest.mark.parametrize("name, platform", [("cpu", "cpu"), ("h200", "gpu")])
-def test_a_measured_profile_picks_as_its_calibration_measured(name, platform):
-    """docs/calibration_{name}.json: the calibration run that fitted the shipped profile, every
-    backend timed on fresh queries in interleaved rounds. With the shipped profile and the
-    backends' `work` as they are, auto must still make the recorded pick at every point, and at
-    every held-out point that pick was measured within 25% of the fastest backend."""
-    run = json.loads((Path(__file__).parents[1] / f"docs/calibration_{name}.json").read_text())
-    assert run["profile"] == json.loads(json.dumps(attrs.asdict(profiles.built_in(name))))
+@pytest.mark.parametrize(
+    "run, name, platform",
+    [("cpu", "cpu", "cpu"), ("cpu_mixed", "cpu", "cpu"), ("h200", "h200", "gpu")],
+)
+def test_a_measured_profile_picks_as_its_calibration_measured(run, name, platform):
+    """docs/calibration_{run}.json: a calibration run that fitted the shipped profile (or added
+    a dtype's rate to it: `--into`), every backend timed on fresh queries in interleaved rounds.
+    With the shipped profile and the backends' `work` as they are, auto must still make the
+    recorded pick at every point, and at every held-out point that pick was measured within 25%
+    of the fastest backend."""
+    record = json.loads((Path(__file__).parents[1] / f"docs/calibration_{run}.json").read_text())
+    shipped = json.loads(json.dumps(attrs.asdict(profiles.built_in(name))))
+    fitted = record["profile"]  # a later `--into` may have added rates and said so in the source
+    assert fitted["matmul_flops"].items() <= shipped["matmul_flops"].items()
+    assert shipped["source"].startswith(fitted["source"])
+    for key in ("matmul_flops", "source"):
+        del fitted[key], shipped[key]
+    assert fitted == shipped
     model = selection.CostModel(profiles.built_in(name), platform=platform)
-    pool = calibration_pool(name)
-    held_out = [p for p in run["points"] if p["held_out"]]
+    pool = calibration_pool(run)
+    held_out = [p for p in record["points"] if p["held_out"]]
     assert any(p["geometry"] == [60, 12, 90] for p in held_out)  # auto's miss in issue 26
-    for point in run["points"]:
+    for point in record["points"]:
         q, n, length = point["geometry"]
         batch = make_batch(list(range(1, q + 1)), [[7] * length] * n, [5, 6], item_first=False)
         assert model.plan([batch], pool.fresh(), eligible_only=True).pick == point["pick"], point
@@ -326,6 +338,31 @@ def test_calibration_stops_timing_new_points_once_its_budget_is_spent(monkeypatc
     assert list(calibrate.time_grid(None, None, ["serial"], budget_s=60)) == list(calibrate.GRID)
     assert list(calibrate.time_grid(None, None, ["serial"])) == list(calibrate.GRID)
     assert len(timed) == 1 + 2 * len(calibrate.GRID)
+
+
+def test_a_dtypes_rate_is_fitted_into_a_profile_keeping_its_other_constants(tmp_path):
+    """`calibrate --into`: with the per-step, per-byte and per-score seconds taken from the
+    profile, the times of a run in another dtype give back that dtype's matmul rate, and the
+    profile keeps every rate and constant it had."""
+    base = DeviceProfile(
+        name="cpu", device_kinds=("cpu",), matmul_flops={"float32": 2e11},
+        memory_bandwidth=5e10, step_seconds=0.05, score_seconds=1e-9,
+        interpret_penalty=0.9, measured=True, source="a fit",
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    features = rng.uniform([1, 1e9, 1e6, 1e6], [8, 1e12, 1e9, 1e9], size=(12, 4))
+    true = np.array([base.step_seconds, 1 / 3.5e11, 1 / base.memory_bandwidth, base.score_seconds])
+    rows = [(f, float(f @ true)) for f in features]
+    coef = calibrate.fit_rate(rows, base)
+    assert coef[1] == pytest.approx(true[1], rel=1e-9)
+    np.testing.assert_array_equal(coef[[0, 2, 3]], true[[0, 2, 3]])
+    profile = calibrate.extended(base, coef[1], "bfloat16", "calibrate --dtype mixed")
+    assert profile.matmul_flops == {"float32": 2e11, "bfloat16": pytest.approx(3.5e11)}
+    assert attrs.evolve(profile, matmul_flops=base.matmul_flops, source=base.source) == base
+    profile.save(tmp_path / "p.json")
+    assert DeviceProfile.load(tmp_path / "p.json").matmul_rate(jnp.bfloat16) == pytest.approx(
+        3.5e11
+    )
 
 
 def test_calibration_times_fresh_queries_in_interleaved_rounds(scorers, monkeypatch):

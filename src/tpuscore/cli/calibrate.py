@@ -17,6 +17,9 @@ interpreted here, one small point times it to fit the interpret penalty.
 
 Prints the machine, its load, the command and the table (markdown), writes the profile, and exits
 1 if the check fails. `--refit` redoes the fit and the check on an earlier run's timings.
+`--into PROFILE` adds this dtype's matmul rate to an existing profile: only the rate is fitted,
+the profile's per-step, per-byte and per-score constants kept (they do not depend on the dtype
+the matmuls multiply in), and the check runs on the profile so extended.
 """
 
 from __future__ import annotations
@@ -195,6 +198,25 @@ def fit(rows: list[tuple[np.ndarray, float]]) -> np.ndarray:
     return coef / scale
 
 
+def fit_rate(rows: list[tuple[np.ndarray, float]], base: DeviceProfile) -> np.ndarray:
+    """`base`'s (step, -, per-byte, per-score) seconds with the per-flop seconds minimizing
+    relative error on what they leave of each time (least squares, closed form)."""
+    coef = np.array([base.step_seconds, 0.0, 1 / base.memory_bandwidth, base.score_seconds])
+    flops = np.array([f[1] / t for f, t in rows])
+    rest = np.array([(t - f @ coef) / t for f, t in rows])
+    coef[1] = max(float(flops @ rest / (flops @ flops)), 1e-30)
+    return coef
+
+
+def extended(base: DeviceProfile, per_flop: float, dtype: str, command: str) -> DeviceProfile:
+    """`base` with `dtype`'s matmul rate added (or replaced), its source saying how."""
+    return attrs.evolve(
+        base,
+        matmul_flops={**base.matmul_flops, dtype: 1 / per_flop},
+        source=f"{base.source}; {dtype} rate: {command}, {time.strftime('%Y-%m-%d')}",
+    )
+
+
 def profile_from(coef: np.ndarray, dtype: str, penalty: float, command: str) -> DeviceProfile:
     step, per_flop, per_byte, per_score = (float(c) for c in coef)
     return DeviceProfile(
@@ -217,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out", default="tpuscore-profile.json", help="the profile to write")
     parser.add_argument("--measurements", help="also write every timing and estimate as JSON")
+    parser.add_argument(
+        "--into",
+        metavar="PROFILE",
+        help="fit only this dtype's matmul rate and add it to PROFILE (its other constants kept), "
+        "writing PROFILE: e.g. --dtype mixed --into cpu.json prices bfloat16 matmuls",
+    )
     parser.add_argument(
         "--refit",
         metavar="MEASUREMENTS",
@@ -271,14 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, t in measured[g].items()
         if not t.lower_bound
     ]
-    coef = fit(rows)
-    penalty = 1.0
-    if interpret:
-        batches = batches_for(scorer, tuple(interpret["geometry"]))
-        estimate = float(features(scorer, interpret["backend"], batches) @ coef)
-        penalty = interpret["seconds"] / estimate
-    profile = profile_from(coef, scorer.engine.model.matmul_dtype, penalty, command)
-    profile.save(args.out)
+    dtype = jax.numpy.dtype(scorer.engine.model.matmul_dtype).name
+    if args.into:
+        coef = fit_rate(rows, DeviceProfile.load(args.into))
+        profile = extended(DeviceProfile.load(args.into), coef[1], dtype, command)
+        profile.save(args.into)
+    else:
+        coef = fit(rows)
+        penalty = 1.0
+        if interpret:
+            batches = batches_for(scorer, tuple(interpret["geometry"]))
+            estimate = float(features(scorer, interpret["backend"], batches) @ coef)
+            penalty = interpret["seconds"] / estimate
+        profile = profile_from(coef, dtype, penalty, command)
+        profile.save(args.out)
 
     model = selection.CostModel(profile)
     print(f"\n{'| query, items, item tokens | split | ' + ' | '.join(compiled)} | auto | "
