@@ -447,11 +447,11 @@ def main() -> None:
         systems, notes, config = tpuscore_systems(args)
         if config is None:
             sys.exit("no tpuscore dtype to run: " + "; ".join(notes))
+        before = dot_rates(config)  # before the peers start: their start-up takes the CPU
         peers, peer_notes = peer_systems(args, gguf, pathlib.Path(tmp))
         systems += peers
         for note in notes + peer_notes:
             print(f"- {note}")
-        before = dot_rates(config)
         start_cpu = {s.name: s.cpu_seconds() for s in systems}
         start = time.perf_counter()
         print("\n| (query, items, item tokens) | system | items/s | model GFLOP/s | CPU s/s | "
