@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS), help="packed_dense first")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
     parser.add_argument(
-        "--unroll-layers", default="",
+        "--unroll-layers",
+        default="",
         help="platforms whose steps unroll the layer loop (decoder.UNROLLED_LAYERS_ON), e.g. cuda",
     )
     args = parser.parse_args()

@@ -134,7 +134,8 @@ def main(argv=None):
     p.add_argument("--trace", help="write a jax.profiler trace of one call per backend here")
     p.add_argument("--host-only", action="store_true", help="time the host work, run no step")
     p.add_argument(
-        "--unroll-layers", default="",
+        "--unroll-layers",
+        default="",
         help="platforms whose steps unroll the layer loop (decoder.UNROLLED_LAYERS_ON), e.g. cuda",
     )
     args = p.parse_args(argv)

@@ -9,10 +9,9 @@ import pytest
 from helpers import random_tokens
 from hf_reference import hf_logprobs
 from tpuscore import Scorer, ValidationError
-from tpuscore.backends.buckets import bucket_prefix, bucket_tokens
+from tpuscore.backends.buckets import bucket_item_tokens, bucket_prefix, bucket_tokens
 from tpuscore.backends.contract import make_batch
 from tpuscore.backends.prefill_extend import steps as prefill_extend
-from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
 from tpuscore.models import attention, decoder
 
 ATOL = 1e-4  # float32

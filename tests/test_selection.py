@@ -27,9 +27,10 @@ from tpuscore.models.model import Model
 ATOL = 1e-4  # float32
 
 
-def abstract_pool(config, budget: int) -> BackendPool:
-    """Backends on a model with no weights: estimates need only its shapes."""
-    model = Model(config, params=None, dtype=np.dtype(jnp.bfloat16))
+def abstract_pool(config, budget: int, platform: str) -> BackendPool:
+    """Backends on a model with no weights, as placed on `platform` (which picks its token
+    ladder): estimates need only its shapes."""
+    model = Model(config, params=None, dtype=np.dtype(jnp.bfloat16), platform=platform)
     return BackendPool(model, {n: {"activation_bytes": budget} for n in registry.candidates()})
 
 
@@ -40,7 +41,7 @@ def abstract_pool(config, budget: int) -> BackendPool:
 def test_the_seeds_cases_under_the_tpu_v6e_profile(geometry, expected):
     q, n, length = geometry
     batch = make_batch(list(range(1, q + 1)), [[7] * length] * n, [5, 6], item_first=False)
-    pool = abstract_pool(QWEN3_0_6B, 4 << 30)  # an eighth of a v6e's 32 GiB, as on the chip
+    pool = abstract_pool(QWEN3_0_6B, 4 << 30, "tpu")  # an eighth of a v6e's 32 GiB, as there
     model = selection.CostModel(profiles.built_in("tpu-v6e"), platform="tpu")
     plan = model.plan([batch], pool)
     assert plan.pick == expected, plan
@@ -48,7 +49,7 @@ def test_the_seeds_cases_under_the_tpu_v6e_profile(geometry, expected):
 
 
 def test_item_first_goes_to_serial_and_interpreted_kernels_are_never_picked():
-    pool = abstract_pool(QWEN3_0_6B, 4 << 30)
+    pool = abstract_pool(QWEN3_0_6B, 4 << 30, "cpu")
     on_cpu = selection.CostModel(profiles.built_in("tpu-v6e"), platform="cpu")
     batch = make_batch(list(range(1, 101)), [[7] * 100] * 10, [5, 6], item_first=False)
     plan = on_cpu.plan([batch], pool)
@@ -278,7 +279,7 @@ def test_the_h100_profile_picks_within_25_percent_of_what_an_h100_measured():
 def gpu_pool():
     """The random Qwen3-0.6B's backends as on a GPU: an eighth of an H100's 80 GB, and
     packed_segment with the GPU kernel's tiles."""
-    pool = abstract_pool(QWEN3_0_6B, 10 << 30)
+    pool = abstract_pool(QWEN3_0_6B, 10 << 30, "gpu")
     pool.get("packed_segment").block_sizes = GpuBlockSizes()
     return pool
 

@@ -8,36 +8,53 @@ from tpuscore.backends.buckets import (
     MIN_LABEL_BUCKET,
     MIN_TOKEN_BUCKET,
     bucket_count,
+    bucket_item_tokens,
     bucket_prefix,
     bucket_tokens,
+    fine_ladder,
     pow2_floor,
     row_buckets,
 )
 
-TOKEN_LADDER = [
+TOKEN_LADDER = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+FINE_LADDER = [
     16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
     640, 768, 896, 1024,
 ]  # fmt: skip
 
 
-def test_token_buckets_climb_by_halves_then_by_quarter_octaves():
+def test_token_buckets_climb_by_one_and_a_half_then_four_thirds():
     assert MIN_TOKEN_BUCKET == 16
     assert sorted({bucket_tokens(n) for n in range(0, 1025)}) == TOKEN_LADDER
     for low, high in zip(TOKEN_LADDER, TOKEN_LADDER[1:], strict=False):
         assert bucket_tokens(low) == low and bucket_tokens(low + 1) == high
 
 
-def test_token_buckets_take_their_minimum():
-    sizes = [bucket_tokens(n, minimum=8) for n in (0, 8, 9, 12, 13, 17, 33, 41)]
+def test_the_fine_ladder_climbs_by_quarter_doublings_past_four_minimums():
+    assert sorted({bucket_tokens(n, fine=True) for n in range(0, 1025)}) == FINE_LADDER
+    for low, high in zip(FINE_LADDER, FINE_LADDER[1:], strict=False):
+        assert bucket_tokens(low, fine=True) == low and bucket_tokens(low + 1, fine=True) == high
+    sizes = [bucket_tokens(n, minimum=8, fine=True) for n in (0, 8, 9, 12, 13, 17, 33, 41)]
     assert sizes == [8, 8, 12, 12, 16, 24, 40, 48]
+    assert [bucket_item_tokens(n, fine=True) for n in (5, 32, 33, 100)] == [8, 32, 48, 112]
+    assert [bucket_item_tokens(n) for n in (5, 32, 33, 100)] == [8, 32, 48, 128]
 
 
-@hypothesis.given(st.integers(0, 10**7))
-def test_a_token_bucket_holds_n_with_at_most_a_third_padding_and_a_fifth_past_64(n):
-    b = bucket_tokens(n)
+def test_only_cpu_steps_take_the_fine_ladder():
+    assert fine_ladder("cpu")
+    assert not fine_ladder("gpu") and not fine_ladder("tpu")
+
+
+def test_token_buckets_take_their_minimum():
+    assert [bucket_tokens(n, minimum=8) for n in (0, 8, 9, 12, 13, 17)] == [8, 8, 12, 12, 16, 24]
+
+
+@hypothesis.given(st.integers(0, 10**7), st.booleans())
+def test_a_token_bucket_holds_n_with_at_most_a_third_padding_and_a_fifth_when_fine(n, fine):
+    b = bucket_tokens(n, fine=fine)
     assert b >= max(n, 1)
     assert b == MIN_TOKEN_BUCKET or 3 * (b - n) <= b  # padding at most a third of the bucket
-    assert n <= 4 * MIN_TOKEN_BUCKET or 5 * (b - n) <= b  # and a fifth once past 64
+    assert not fine or n <= 4 * MIN_TOKEN_BUCKET or 5 * (b - n) <= b  # a fifth past 64
 
 
 @hypothesis.given(st.integers(0, 10**7), st.integers(1, 64))

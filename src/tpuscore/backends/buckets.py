@@ -10,19 +10,33 @@ MIN_TOKEN_BUCKET = 16
 MIN_LABEL_BUCKET = 16  # gathering a few more labels costs nothing; a recompile does
 
 
-def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET) -> int:
-    """Smallest bucket that holds n: minimum * {1, 1.5, 2, 3}, then quarter steps between powers
-    of two (64, 80, 96, 112, 128, 160, ... for minimum 16). Padding is at most a third of the
-    bucket, and at most a fifth past 4 * minimum: there a step's time is its tokens' matmuls, so
-    padding is paid in full (100-token items run in 112, not 128), and each extra bucket costs
-    only a compile (docs/benchmarks.md, "Finer token buckets")."""
+def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET, *, fine: bool = False) -> int:
+    """Smallest bucket that holds n: minimum * {1, 1.5, 2, 3, 4, 6, ...}, at most a third
+    padding; fine (`fine_ladder`): past 4 * minimum, four steps to each doubling instead (64,
+    80, 96, 112, 128, 160, ... for minimum 16), at most a fifth."""
     size = minimum
     while size < n:
-        if size < 4 * minimum:
-            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-        else:
+        if fine and size >= 4 * minimum:
             size += pow2_floor(size) // 4
+        else:
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return size
+
+
+def bucket_item_tokens(n: int, *, fine: bool = False) -> int:
+    """Item-length buckets: multiples of 4 up to 32, then `bucket_tokens` (fine: its fine
+    ladder). Items are short and each padding token pays attention to the whole query: 20
+    tokens padded to 24 waste a sixth."""
+    return max(4, -(-n // 4) * 4) if n <= 32 else bucket_tokens(n, fine=fine)
+
+
+def fine_ladder(platform: str) -> bool:
+    """Whether steps on `platform` pad tokens to the fine ladder of `bucket_tokens`. On a CPU a
+    step's time is its tokens' matmuls, so padding is paid in full (100-token items in 128, not
+    112), and a shape more costs one compile (docs/benchmarks.md, "Finer token buckets").
+    Accelerators keep the coarser ladder, whose shapes their profiles were calibrated on and
+    whose compiles cost more, until a device run measures the finer one."""
+    return platform == "cpu"
 
 
 def bucket_count(n: int, minimum: int = 1) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
-from tpuscore.backends.buckets import bucket_tokens, pow2_floor, row_buckets
+from tpuscore.backends.buckets import bucket_tokens, fine_ladder, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
@@ -136,9 +136,9 @@ class SerialBackend(Scoring, Budgeted):
         for g, batch in enumerate(batches):
             lens = batch.sequence_lens
             if self.batch_invariant:
-                buckets = np.array([bucket_tokens(int(n)) for n in lens], int)
+                buckets = np.array([self.token_bucket(int(n)) for n in lens], int)
             else:
-                buckets = np.full(len(lens), bucket_tokens(int(lens.max(initial=1))))
+                buckets = np.full(len(lens), self.token_bucket(int(lens.max(initial=1))))
             for T in sorted(set(buckets.tolist())):
                 (items,) = np.nonzero(buckets == T)
                 rows = self.rows_per_step(T)
@@ -167,6 +167,10 @@ class SerialBackend(Scoring, Budgeted):
             )
             for step in plan.steps
         ]
+
+    def token_bucket(self, n: int) -> int:
+        """`bucket_tokens` of n on this model's platform's ladder (`fine_ladder`)."""
+        return bucket_tokens(n, fine=fine_ladder(self.model.platform))
 
     def rows_per_step(self, length: int) -> int:
         """Rows of a step of sequences padded to `length`: the most that fit (non-invariant
@@ -231,7 +235,7 @@ class SerialBackend(Scoring, Budgeted):
         label bucket (docs/serving.md, "Compiled shapes")."""
         longest = limits.query_tokens + limits.item_tokens
         out = set()
-        for length in sorted({bucket_tokens(n) for n in range(1, longest + 1)}):
+        for length in sorted({self.token_bucket(n) for n in range(1, longest + 1)}):
             cap = self.rows_per_step(length)
             counts = [cap] if self.batch_invariant else row_buckets(1, cap, self.model.layout.data)
             for rows, width in itertools.product(counts, limits.label_widths()):

@@ -25,7 +25,6 @@ import numpy as np
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
-from tpuscore.backends.buckets import bucket_tokens
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, Plan, stack_labels
 from tpuscore.backends.packed import packing, steps
@@ -203,4 +202,4 @@ class PackedSegmentBackend(PackedBackend):
 
     def bucket(self, tokens: int) -> int:
         tile = self.block_sizes.tile  # the kernel needs whole tiles
-        return -(-bucket_tokens(tokens) // tile) * tile
+        return -(-super().bucket(tokens) // tile) * tile

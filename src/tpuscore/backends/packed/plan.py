@@ -10,7 +10,7 @@ import attrs
 import numpy as np
 
 from tpuscore.backends import work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, pow2_floor
+from tpuscore.backends.buckets import bucket_count, bucket_tokens, fine_ladder, pow2_floor
 from tpuscore.backends.contract import Plan, ScoreBatch
 from tpuscore.backends.packed import memory, packing
 from tpuscore.models.model import Model
@@ -84,8 +84,9 @@ class PackedPlanning:
         return steps
 
     def bucket(self, tokens: int) -> int:
-        """The packed length that `tokens` real tokens are padded to."""
-        return bucket_tokens(tokens)
+        """The packed length that `tokens` real tokens are padded to: a token bucket on this
+        model's platform's ladder (`fine_ladder`)."""
+        return bucket_tokens(tokens, fine=fine_ladder(self.model.platform))
 
     def rows(self, length: int) -> int:
         """Packed rows per step at this length whose memory fits the budget on each device."""

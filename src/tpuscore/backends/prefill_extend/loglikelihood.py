@@ -17,7 +17,7 @@ from tpuscore.backends import work
 from tpuscore.backends.buckets import bucket_prefix, pow2_floor, row_buckets
 from tpuscore.backends.contract import ContinuationScores, Plan, ShapeLimits, StepShape
 from tpuscore.backends.prefill_extend import memory
-from tpuscore.backends.prefill_extend.plan import Wave, bucket_item_tokens
+from tpuscore.backends.prefill_extend.plan import Wave
 from tpuscore.backends.prefill_extend.sizing import MAX_BATCH_TOKENS
 from tpuscore.backends.prefill_extend.steps import CONTINUATION_LOGPROBS
 from tpuscore.models.decoder import Prefix
@@ -61,13 +61,13 @@ class Loglikelihood:
         start, n = 0, len(sorted_lens)
         while start < n:
             count = min(n - start, self.continuation_rows(int(sorted_lens[-1])))
-            length = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+            length = self.item_bucket(int(sorted_lens[start + count - 1]))
             yield order[start : start + count], length
             start += count
 
     def continuation_rows(self, longest: int) -> int:
         """Continuations per step when the longest is `longest` tokens (module doc)."""
-        config, length = self.model.config, bucket_item_tokens(longest)
+        config, length = self.model.config, self.item_bucket(longest)
         extend = memory.extend_batch_rows(config, length, self.budget, MAX_BATCH_TOKENS)
         vocab = pow2_floor(self.budget // (3 * 4 * length * config.vocab_size))
         return min(extend, vocab)
@@ -125,7 +125,7 @@ class Loglikelihood:
         if self.model.config.classifier:
             return set()
         out = set()
-        for length in sorted({bucket_item_tokens(n) for n in range(1, limits.item_tokens + 1)}):
+        for length in sorted({self.item_bucket(n) for n in range(1, limits.item_tokens + 1)}):
             for rows in row_buckets(1, self.continuation_rows(length), self.model.layout.data):
                 out.update(StepShape(CONTINUATION_LOGPROBS, (rows, length, P)) for P in sizes)
         return out

@@ -21,21 +21,11 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from tpuscore.backends.buckets import (
-    MIN_TOKEN_BUCKET,
-    bucket_prefix,
-    bucket_tokens,
-)
+from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix
 from tpuscore.backends.contract import Plan, ScoreBatch
 from tpuscore.backends.prefill_extend.prefix_cache import Reuse
 from tpuscore.backends.prefill_extend.sizing import Sizing
 from tpuscore.models.decoder import Prefix
-
-
-def bucket_item_tokens(n: int) -> int:
-    """Item-length buckets: multiples of 4 up to 32, then `bucket_tokens`. Items are short and
-    each padding token pays attention to the whole query: 20 tokens padded to 24 waste a sixth."""
-    return max(4, -(-n // 4) * 4) if n <= 32 else bucket_tokens(n)
 
 
 @attrs.frozen
@@ -203,7 +193,7 @@ class Planning(Sizing):
         together.sort(key=lambda i: -len(queries[i]))
         while together:
             size = bucket_prefix(len(queries[together[0]]))
-            length = bucket_tokens(len(queries[together[0]]))
+            length = self.token_bucket(len(queries[together[0]]))
             same = [i for i in together if bucket_prefix(len(queries[i])) == size]
             cap = self.prefill_batch_rows(length, MIN_TOKEN_BUCKET)
             taken = same[:cap]
@@ -217,7 +207,7 @@ class Planning(Sizing):
             while start < n:
                 stop = min(start + self.prefill_chunk, n)
                 chunk = (PrefillRow(i, start, stop),)
-                steps.append(PrefillStep(chunk, bucket_tokens(stop - start), base_len, 1, size))
+                steps.append(PrefillStep(chunk, self.token_bucket(stop - start), base_len, 1, size))
                 start, base_len = stop, size
         return ready, reused, steps
 
@@ -264,7 +254,7 @@ class Planning(Sizing):
         steps = []
         for g, batch in enumerate(batches):
             lens = batch.item_lens[: batch.num_items]
-            buckets = np.array([bucket_item_tokens(int(n)) for n in lens], int)
+            buckets = np.array([self.item_bucket(int(n)) for n in lens], int)
             for item_len in sorted(set(buckets.tolist())):
                 (items,) = np.nonzero(buckets == item_len)
                 size = self.invariant_rows(item_len)
@@ -283,7 +273,7 @@ class Planning(Sizing):
         start, n = 0, len(sorted_lens)
         while start < n:
             count = n - start
-            item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+            item_len = self.item_bucket(int(sorted_lens[start + count - 1]))
             cap = batch_rows(item_len)
             if queries is not None:  # up to the first item of one query too many
                 own, most = queries
@@ -292,10 +282,10 @@ class Planning(Sizing):
                     cap = min(cap, int(np.sort(first)[most]))
             if count > cap:  # shrinking the batch can only shorten its bucket: cap still holds
                 count = cap
-                item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+                item_len = self.item_bucket(int(sorted_lens[start + count - 1]))
             unpadded = count if queries is not None else self.unpadded_rows(count, item_len)
             if unpadded < count:
                 count = unpadded
-                item_len = bucket_item_tokens(int(sorted_lens[start + count - 1]))
+                item_len = self.item_bucket(int(sorted_lens[start + count - 1]))
             yield np.arange(start, start + count), item_len
             start += count

@@ -19,7 +19,6 @@ from tpuscore.backends import work
 from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix, row_buckets
 from tpuscore.backends.contract import Plan, PositionScores, ShapeLimits, StepShape
 from tpuscore.backends.prefill_extend import memory
-from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
 from tpuscore.backends.prefill_extend.steps import PROMPT_LOGPROBS
 from tpuscore.parallel.sharding import to_host
 
@@ -120,9 +119,7 @@ class PromptLogprobs:
             shortest = 1 if size == MIN_TOKEN_BUCKET else size // 2 + 1  # context sized `size`
             if shortest > Q:
                 continue
-            for length in sorted(
-                {bucket_item_tokens(r) for r in range(1, max(Q - shortest, 1) + 1)}
-            ):
+            for length in sorted({self.item_bucket(r) for r in range(1, max(Q - shortest, 1) + 1)}):
                 for rows in row_buckets(1, self.continuation_rows(length), self.model.layout.data):
                     out.add(StepShape(PROMPT_LOGPROBS, (rows, length, size)))
         return out

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix, bucket_tokens, row_buckets
+from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix, row_buckets
 from tpuscore.backends.contract import ShapeLimits, Step, StepShape, StepTable, step_table
-from tpuscore.backends.prefill_extend.plan import bucket_item_tokens
 from tpuscore.backends.prefill_extend.steps import (
     CONTINUATION_LOGPROBS,
     PREFILL,
@@ -71,15 +70,16 @@ class StepShapes:
         for size in sizes:
             low, high = (1 if size == MIN_TOKEN_BUCKET else size // 2 + 1), min(Q, size)
             for n in range(low, high + 1):  # a query's first chunk, on the empty prefix
-                out.add(StepShape(PREFILL, (bucket_tokens(min(n, chunk)), MIN_TOKEN_BUCKET, size)))
+                first = self.token_bucket(min(n, chunk))
+                out.add(StepShape(PREFILL, (first, MIN_TOKEN_BUCKET, size)))
             # Later chunks of a long query; without batch invariance, any rest after a cache hit.
             longest_rest = high - chunk if invariant else high - 1
             for m in range(1, min(chunk, longest_rest) + 1):
-                out.add(StepShape(PREFILL, (bucket_tokens(m), size, size)))
+                out.add(StepShape(PREFILL, (self.token_bucket(m), size, size)))
             if invariant:
                 continue
             for n in range(low, min(high, chunk) + 1):
-                length = bucket_tokens(n)
+                length = self.token_bucket(n)
                 cap = self.prefill_batch_rows(length, MIN_TOKEN_BUCKET)
                 for rows in row_buckets(2, cap, layout.data):
                     out.add(StepShape(PREFILL_ROWS, (rows, length, MIN_TOKEN_BUCKET, size)))
@@ -87,7 +87,7 @@ class StepShapes:
                     out.add(StepShape(UNSTACK, (rows, size)))
             out.update(StepShape(RESIZE, (other, size)) for other in sizes if other != size)
         widths = limits.label_widths()
-        for item_len in sorted({bucket_item_tokens(n) for n in range(limits.item_tokens + 1)}):
+        for item_len in sorted({self.item_bucket(n) for n in range(limits.item_tokens + 1)}):
             if invariant:
                 row_counts = [self.invariant_rows(item_len)]
             else:
