@@ -4,6 +4,7 @@ A request's options are `ScoreOptions`' fields, by keyword; docs/api.md describe
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -17,11 +18,10 @@ from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import building, executables, planning, progress, selection
-from tpuscore.engine.profiles import DeviceProfile
+from tpuscore.engine import building, executables, progress, selection
+from tpuscore.engine.building import Adapters, BackendOptions, Profile
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
-from tpuscore.models.adapters import LoraAdapter
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
 from tpuscore.models.weights import Params
@@ -33,8 +33,11 @@ from tpuscore.tasks.prompt_logprobs import PromptLogprobs
 from tpuscore.tasks.ranking import RankedItem
 
 Query, Items = str | list[int], list[str] | list[list[int]]
-Adapters = Mapping[str, "str | os.PathLike | LoraAdapter"]
-BackendOptions, Profile = Mapping[str, Mapping[str, Any]], DeviceProfile | str | os.PathLike
+
+
+def _engine_attribute(path: str, doc: str) -> property:
+    """A read-only attribute of the scorer's engine at dotted `path`."""
+    return property(lambda self: operator.attrgetter(path)(self.engine), doc=doc)
 
 
 class Scorer:
@@ -43,21 +46,14 @@ class Scorer:
 
     def __init__(
         self, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None, *,
-        dtype: Any = None, backend: str = registry.AUTO,
-        backend_options: BackendOptions | None = None, selector: planning.Selector | None = None,
-        profile: Profile | None = None, mesh: jax.sharding.Mesh | None = None,
-        devices: Sequence[jax.Device] | None = None, batch_invariant: bool = False,
-        executables_guard: executables.Guard | None = None, adapters: Adapters | None = None,
+        score_calibration: str | os.PathLike | None = None, **options: Any,
     ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
-        other arguments as `from_pretrained`'s, selector and executables_guard as `Engine`'s."""
-        self.engine = building.build(
-            config, params, tokenizer, dtype=dtype, mesh=mesh, devices=devices,
-            adapters=adapters, profile=profile, backend=backend, backend_options=backend_options,
-            selector=selector, batch_invariant=batch_invariant,
-            executables_guard=executables_guard,
-        )  # fmt: skip
-        self.score_calibration = None  # a `Calibration`: see from_pretrained
+        options as `from_pretrained`'s (but the loader's), and `Engine`'s selector."""
+        self.engine = building.build(config, params, tokenizer, **options)
+        self.score_calibration = (  # a `Calibration` (docs/calibration.md), or None
+            None if score_calibration is None else calibrated.load(score_calibration, self.engine)
+        )
 
     @classmethod
     def from_pretrained(
@@ -71,22 +67,18 @@ class Scorer:
         executables_guard: executables.Guard | None = None, adapters: Adapters | None = None,
     ) -> Scorer:  # fmt: skip
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
-        None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors.
-        adapters: name -> PEFT LoRA adapter directory, loaded and stacked once; a request picks
-        one with `adapter="name"` (docs/adapters.md)."""
+        None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
         config, params, tokenizer = building.load(
             model, dtype=dtype, mesh=mesh, devices=devices,
             compilation_cache_dir=compilation_cache_dir, revision=revision,
             local_files_only=local_files_only, cache_dir=cache_dir,
         )  # fmt: skip
-        scorer = cls(
+        return cls(
             config, params, tokenizer, dtype=dtype, backend=backend, adapters=adapters,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
+            score_calibration=score_calibration,
         )  # fmt: skip
-        if score_calibration is not None:  # docs/calibration.md
-            scorer.score_calibration = calibrated.load(score_calibration, scorer.engine)
-        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
@@ -97,14 +89,12 @@ class Scorer:
         backend: str | None = None, chunking: Chunking | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> ScoreResult | ChunkedResult:  # fmt: skip
-        """log P(label | query + item) after each item, a `ScoreResult` (with chunking, a
-        `ChunkedResult`); options: `ScoreOptions`. Bad input raises ValidationError before
-        anything runs. docs/api.md has every argument."""
+        """log P(label | query + item) after each item (with chunking, per document); options:
+        `ScoreOptions`. Bad input raises ValidationError before anything runs."""
+        options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
         if chunking is not None:
-            options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
             return chunked.score(self.engine, query, items, chunking, options, backend=backend)
-        request = self.prepare(query, items, label_token_ids, **options)
-        return self.run([request], backend=backend)[0]
+        return self.run([self.engine.prepare(query, items, options)], backend=backend)[0]
 
     def prepare(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, **options: Any
@@ -117,8 +107,8 @@ class Scorer:
         self, requests: Sequence[ScoreRequest], *, backend: str | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> list[ScoreResult]:  # fmt: skip
-        """Score prepared requests together; requests sharing a query, labels and item_first
-        share its work. on_progress gets the requests each backend call completes."""
+        """Score prepared requests together (those sharing a query share its work); on_progress
+        gets the requests each backend call completes."""
         results = self.engine.run(requests, backend=backend, on_progress=on_progress)
         return calibrated.attach(self.score_calibration, requests, results)
 
@@ -126,8 +116,7 @@ class Scorer:
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         show_progress: bool = False,
     ) -> list[ScoreResult]:  # fmt: skip
-        """One result per request (a mapping of `score`'s arguments), in order. All are checked
-        before any runs ("requests[3].items" names the culprit); they share device steps."""
+        """One result per request (a mapping of `score`'s arguments), all checked first."""
         prepared = self.prepare_batch(requests, backend=backend)
         with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
             return self.run(prepared, backend=backend, on_progress=advance)
@@ -142,8 +131,7 @@ class Scorer:
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         errors: Literal["raise", "return"] = "raise",
     ) -> list[ScoreRequest | ValidationError]:  # fmt: skip
-        """Every request prepared, in order: errors="raise" raises the first bad one's error,
-        located at ("requests", i, ...); "return" puts it in its request's place."""
+        """Every request prepared, in order; a bad one's located error raised, or in its place."""
         return self.engine.prepare_batch(requests, backend, errors)
 
     def validate_batch(
@@ -156,8 +144,7 @@ class Scorer:
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
         backend: str | None = None, **options: Any,
     ) -> selection.Plan:  # fmt: skip
-        """What `score` would run, without running: every built-in backend's estimate, and
-        `pick`, the one "auto" takes (backend is ignored: every candidate is estimated)."""
+        """Every built-in backend's estimate for `score`'s call and `pick`, the one "auto" takes."""
         return self.engine.plan(self.prepare(query, items, label_token_ids, **options))
 
     def rank(
@@ -166,9 +153,8 @@ class Scorer:
         backend: str | None = None, show_progress: bool = False,
         chunking: Chunking | Mapping[str, Any] | None = None, **options: Any,
     ) -> list[RankedItem] | list[RankedDocument]:  # fmt: skip
-        """The items best first by the positive label's probability within the labels (or a
-        template's; on a classifier, the relevant class's), ties in input order; with chunking,
-        documents by their chunks (docs/chunking.md). docs/api.md has every argument."""
+        """The items best first by the positive label's probability within the labels (on a
+        classifier, the relevant class's), ties in input order; with chunking, documents."""
         return chunked.rank_items(
             self.engine, query, items, chunking, ScoreOptions.from_mapping(options),
             positive=positive, top_k=top_k, template=template, instruction=instruction,
@@ -182,36 +168,33 @@ class Scorer:
         return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
-        """Per prompt (token ids), every token's log-probability and the most likely tokens at
-        each position (OpenAI's completions echo, docs/completions.md)."""
+        """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md)."""
         return prompt_logprobs.prompt_logprobs(self.engine, prompts)
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,
         backends: Sequence[str] | None = None, all: bool = False, limits: Limits | None = None,  # noqa: A002
     ) -> list[Warmed]:  # fmt: skip
-        """Compile ahead of time the steps of (query_tokens, num_items, item_tokens) geometries,
-        or with all=True every shape of `shapes(limits)`: then nothing within them compiles."""
+        """Compile the steps of (query_tokens, num_items, item_tokens) or all `shapes(limits)`."""
         return self.engine.warmup(geometries, backends, all, limits)
 
     def shapes(
         self, limits: Limits | None = None, *, backends: Sequence[str] | None = None
     ) -> list[StepShape]:
-        """Every step shape the backends (default the scorer's; auto: all it may pick) can
-        compile for requests within `limits` (query_tokens, item_tokens, labels), uncompiled."""
+        """Every step shape the backends (default: the scorer's) compile for requests in limits."""
         return self.engine.shapes(limits, backends)
 
-    def get_backend(self, name: str) -> registry.Backend:  # built on first use
-        return self.engine.backends.get(name)
+    def get_backend(self, name: str) -> registry.Backend:
+        return self.engine.backends.get(name)  # built on first use
 
-    config = property(lambda self: self.engine.model.config, doc="The model's `ModelConfig`.")
+    config = _engine_attribute("model.config", "The model's `ModelConfig`.")
+    params = _engine_attribute("model.weights", "The parameters on device.")
+    dtype = _engine_attribute("model.dtype", "Attention's and K/V's dtype.")
+    mesh = _engine_attribute("model.layout.mesh", "The mesh, or None.")
+    tokenizer = _engine_attribute("tokenizer", "The tokenizer, or None.")
+    backends = _engine_attribute("backends", "The `BackendPool`.")
+    cost_model = _engine_attribute("cost_model", "auto's `CostModel`.")
     adapters = property(
         lambda self: list(self.engine.model.adapter_names),
         doc="The names of the LoRA adapters a request may name (`adapter=`), in load order.",
     )
-    params = property(lambda self: self.engine.model.weights, doc="The parameters on device.")
-    dtype = property(lambda self: self.engine.model.dtype, doc="Attention's and K/V's dtype.")
-    mesh = property(lambda self: self.engine.model.layout.mesh, doc="The mesh, or None.")
-    tokenizer = property(lambda self: self.engine.tokenizer, doc="The tokenizer, or None.")
-    backends = property(lambda self: self.engine.backends, doc="The `BackendPool`.")
-    cost_model = property(lambda self: self.engine.cost_model, doc="auto's `CostModel`.")

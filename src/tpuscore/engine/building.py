@@ -22,13 +22,17 @@ from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
 
+# What `Scorer.from_pretrained` takes for them, and `build` below.
+Adapters = Mapping[str, "str | os.PathLike | LoraAdapter"]
+BackendOptions = Mapping[str, Mapping[str, Any]]
+Profile = DeviceProfile | str | os.PathLike
+
 
 def build(
     config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None, *,
     dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
     devices: Sequence[jax.Device] | None = None,
-    adapters: Mapping[str, str | os.PathLike | LoraAdapter] | None = None,
-    profile: DeviceProfile | str | os.PathLike | None = None, **engine_options: Any,
+    adapters: Adapters | None = None, profile: Profile | None = None, **engine_options: Any,
 ) -> Engine:  # fmt: skip
     """An engine on the model laid out over `mesh` (or `devices`); profile: a `DeviceProfile`
     or the path of one; engine_options: `Engine`'s other arguments."""
