@@ -366,6 +366,13 @@ def test_a_dtypes_rate_is_fitted_into_a_profile_keeping_its_other_constants(tmp_
     )
 
 
+def test_calibration_into_a_missing_profile_fails_before_timing_anything(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "time_grid", lambda *a, **k: pytest.fail("timed the grid"))
+    monkeypatch.setattr(calibrate, "Scorer", None)  # nor loaded a model
+    with pytest.raises(FileNotFoundError):
+        calibrate.main(["--dtype", "mixed", "--into", str(tmp_path / "missing.json")])
+
+
 def test_calibration_times_fresh_queries_in_interleaved_rounds(scorers, monkeypatch):
     """Every timed call scores a query never seen before (so prefill_extend is never timed on a
     prefix-cache hit), and the backends alternate A, B, A, B after the first calls."""

@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "(the grid alternates fitted and held-out points, so a prefix keeps both)",
     )
     args = parser.parse_args(argv)
+    base = DeviceProfile.load(args.into) if args.into else None  # before the timing, not after
     command = "python -m tpuscore.cli.calibrate " + " ".join(argv or sys.argv[1:])
     load = {"before": _load()}
     print(f"# {command}\n# {platform.platform()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
@@ -300,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         if not t.lower_bound
     ]
     dtype = jax.numpy.dtype(scorer.engine.model.matmul_dtype).name
-    if args.into:
-        coef = fit_rate(rows, DeviceProfile.load(args.into))
-        profile = extended(DeviceProfile.load(args.into), coef[1], dtype, command)
+    if base is not None:
+        coef = fit_rate(rows, base)
+        profile = extended(base, coef[1], dtype, command)
         profile.save(args.into)
     else:
         coef = fit(rows)
