@@ -36,9 +36,10 @@ from tpuscore.models import decoder  # noqa: E402
 
 GEOMETRIES = {"long": (2000, 500, 20), "sglang": (300, 10, 10), "short": (100, 100, 10)}
 SMOKE_GEOMETRIES = {"tiny": (40, 6, 5)}
-# (block_q, block_kv, num_warps, num_stages), the default first
+# (block_q, block_kv, num_warps, num_stages[, mask_every_tile]), the default first
 TILES = [
     (64, 64, 4, 2),
+    (64, 64, 4, 2, True),  # every tile masked: the kernel before its unmasked interior tiles
     (32, 128, 4, 2),
     (64, 128, 4, 2),
     (128, 64, 8, 2),
@@ -102,14 +103,22 @@ def main(argv=None) -> None:
     config, params = base.config, base.engine.model.weights
     rng = np.random.default_rng(0)
     labels = rng.choice(config.vocab_size, size=2, replace=False).tolist()
-    print("| block_q | block_kv | warps | stages | " + " | ".join(geometries) + " | geomean |")
-    print("| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in geometries) + " | ---: |")
+    print(
+        "| block_q | block_kv | warps | stages | masked | "
+        + " | ".join(geometries)
+        + " | geomean |"
+    )
+    print(
+        "| ---: | ---: | ---: | ---: | --- | "
+        + " | ".join("---:" for _ in geometries)
+        + " | ---: |"
+    )
     results, reference = [], {}
     for tile in tiles:
         if time.monotonic() > deadline:
             print(f"\nNOTE: --budget-s {args.budget_s} spent: {len(results)} of {len(tiles)} ran")
             break
-        names = ("block_q", "block_kv", "num_warps", "num_stages")
+        names = ("block_q", "block_kv", "num_warps", "num_stages", "mask_every_tile")
         block_sizes = dict(zip(names, tile, strict=False))
         scorer = Scorer(
             config, params, None, dtype=args.dtype if not args.smoke else "float32",

@@ -6,7 +6,7 @@
 #     bash benchmarks/gpu_part4.sh all          # everything, inside $BUDGET_S (default 560 s)
 #     bash benchmarks/gpu_part4.sh host tiles   # or any of: workload serving host tiles tuned
 #                                               # launch unrolled modeltiles serving-unrolled
-#                                               # calibrate
+#                                               # trace serving-big int8 calibrate
 #
 # The device tool stops a command at 10 minutes and lends 15 minutes a session, so each part has
 # its own time limit and the calibration takes what is left of BUDGET_S (it fits and checks on the
@@ -27,7 +27,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=src${PYTHONPATH:+:$PYTHONP
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2
 parts=("$@")
-[[ ${#parts[@]} -eq 0 || ${parts[0]} == all ]] && parts=(workload serving host tiles tuned launch unrolled modeltiles serving-unrolled calibrate)
+[[ ${#parts[@]} -eq 0 || ${parts[0]} == all ]] && parts=(workload serving host tiles tuned launch unrolled modeltiles serving-unrolled trace serving-big int8 calibrate)
 python -c "import sys; sys.path.insert(0, 'benchmarks'); from random_checkpoint import qwen3_0_6b
 qwen3_0_6b('$checkpoint', dtype='bfloat16')" 2>&1 | tail -1 | tee -a "$log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
@@ -84,12 +84,22 @@ for part in "${parts[@]}"; do
     serving-unrolled)  # the Batcher at SGLang's geometry, the layer loop unrolled
       run 70 python benchmarks/serving.py --gpu --checkpoint "$checkpoint" --rate 120,500 \
         --duration 8 --backend packed_segment --skip-hf --skip-threads --unroll-layers cuda ;;
+    trace)  # where the step's time goes: matmuls, the segment kernel, other fusions
+      for geometry in 2000,500,20 300,10,10; do
+        run 60 python benchmarks/step_trace.py bfloat16 "$geometry" --gpu --checkpoint \
+          "$checkpoint" --top 15
+      done ;;
+    serving-big)  # the Batcher saturated, with batches of 4x the default tokens
+      run 100 python benchmarks/serving.py --gpu --checkpoint "$checkpoint" --rate 500 \
+        --duration 8 --backend packed_segment --skip-hf --skip-threads --max-batch-tokens 32768 ;;
+    int8)  # why int8 is wrong on a GPU: each piece of models/int8.py against the host's CPU
+      run 60 python benchmarks/gpu_int8_checks.py ;;
     calibrate)  # the profile as measured: commit it as src/tpuscore/engine/profiles/<gpu>.json
       left=$((end - SECONDS))
       run "$left" python -m tpuscore.cli.calibrate --model "$checkpoint" --dtype bfloat16 \
         --budget-s $((left - 90)) --out "$out/profile.json" \
         --measurements "$out/calibration.json" ;;
-    *) echo "unknown part $part (workload serving host tiles tuned launch unrolled modeltiles serving-unrolled calibrate all)" >&2; exit 2 ;;
+    *) echo "unknown part $part (workload serving host tiles tuned launch unrolled modeltiles serving-unrolled trace serving-big int8 calibrate all)" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%H:%M:%S); results in $out" | tee -a "$log"

@@ -1,10 +1,15 @@
-"""Where a warm call's time goes on the CPU: a JAX profiler trace of one `Scorer.score` at a
-geometry (default model, backend auto, on cores 0-1), its XLA:CPU events summed by name, then the
-wall time covered by YNNPACK's dots (`ynn_fusion*`: projections, MLP and attention's dots), by
-tpuscore's attention kernel (`ffi_call*`) and by every other fusion (norms, RoPE, conversions,
-softmax, residual adds), with each one's thread time (above its wall time where two ran at once).
+"""Where a warm call's time goes: a JAX profiler trace of one `Scorer.score` at a geometry, its
+device events summed by name, then the wall time covered by the matmuls, by tpuscore's attention
+kernel and by every other fusion (norms, RoPE, conversions, softmax, residual adds), with each
+one's summed time (above its wall time where two ran at once).
+
+On the CPU (default model, backend auto, on cores 0-1) the matmuls are YNNPACK's dots
+(`ynn_fusion*`) and the kernel the fused FFI call (`ffi_call*`); with --gpu (the random
+Qwen3-0.6B of `random_checkpoint.py`, packed_segment unless --backend) the GPU's kernels: GEMMs
+by their library names, the Triton segment kernel by its own.
 
     python benchmarks/step_trace.py mixed 50,20,100
+    python benchmarks/step_trace.py bfloat16 2000,500,20 --gpu
 """
 
 from __future__ import annotations
@@ -15,18 +20,26 @@ import gzip
 import json
 import os
 import pathlib
+import re
+import sys
 import tempfile
 import time
 
 import numpy as np
 
-os.sched_setaffinity(0, {0, 1})  # before JAX sizes its thread pool, as vs_peers.py runs it
+GPU = "--gpu" in sys.argv
+if not GPU:
+    os.sched_setaffinity(0, {0, 1})  # before JAX sizes its thread pool, as vs_peers.py runs it
 
 import jax  # noqa: E402
 
 from tpuscore import Scorer  # noqa: E402
 
 NOT_OPS = ("ThunkExecutor", "$", "SlinkyThreadPool", "while")  # executors, Python frames, waits
+KINDS = {  # (CPU, GPU) name patterns; everything else is "other fusions"
+    "matmuls": (r"^ynn_fusion", r"gemm|xmma|nvjet|cutlass|cublas|dot"),
+    "the attention kernel": (r"^ffi_call", r"segment_attention"),
+}
 
 
 def covered(intervals: list[tuple[float, float]]) -> float:
@@ -46,9 +59,19 @@ def main() -> None:
     parser.add_argument("dtype", help="float32, mixed, ...")
     parser.add_argument("geometry", help="query tokens,items,item tokens")
     parser.add_argument("--top", type=int, default=25, help="events to list by total time")
+    parser.add_argument("--gpu", action="store_true", help="the random Qwen3-0.6B on the GPU")
+    parser.add_argument("--backend", default=None, help="default: auto (CPU), packed_segment")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "qwen3-0.6b"))
     args = parser.parse_args()
     query_len, n_items, item_len = (int(x) for x in args.geometry.split(","))
-    scorer = Scorer.from_pretrained(None, dtype=args.dtype)
+    if args.gpu:
+        sys.path.insert(0, str(pathlib.Path(__file__).parent))
+        from random_checkpoint import qwen3_0_6b
+
+        model, backend = qwen3_0_6b(args.checkpoint), args.backend or "packed_segment"
+    else:
+        model, backend = None, args.backend or "auto"
+    scorer = Scorer.from_pretrained(model, dtype=args.dtype, backend=backend)
     rng = np.random.default_rng(0)
 
     def draw():
@@ -65,26 +88,37 @@ def main() -> None:
         wall = time.perf_counter() - start
     path = next(pathlib.Path(folder).rglob("*.trace.json.gz"))
     with gzip.open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "ts" in e]
+        trace = json.load(f)["traceEvents"]
+    events = [e for e in trace if e.get("ph") == "X" and "ts" in e]
+    if args.gpu:  # the GPU's own lanes: kernels and copies, not the host threads that launch them
+        lanes = {
+            e["pid"]
+            for e in trace
+            if e.get("ph") == "M" and "GPU" in str(e.get("args", {}).get("name", ""))
+        }
+        if lanes:
+            events = [e for e in events if e["pid"] in lanes]
+        else:
+            print("NOTE: no GPU lane in the trace: every event counted")
     ops = [e for e in events if not e["name"].startswith(NOT_OPS)]
     totals, counts = collections.Counter(), collections.Counter()
     for e in ops:
         totals[e["name"]] += e["dur"]
         counts[e["name"]] += 1
-    print(f"{args.dtype} {args.geometry}: the call took {wall * 1e3:.0f} ms")
+    print(f"{args.dtype} {args.geometry} {backend}: the call took {wall * 1e3:.1f} ms")
     for name, us in totals.most_common(args.top):
         print(f"{us / 1e3:9.1f} ms {counts[name]:5d}x  {name}")
-    kinds = {
-        "YNNPACK dots": [e for e in ops if e["name"].startswith("ynn_fusion")],
-        "the attention kernel": [e for e in ops if e["name"].startswith("ffi_call")],
-        "other fusions": [e for e in ops if not e["name"].startswith(("ynn_fusion", "ffi_call"))],
-    }
+    patterns = {kind: re.compile(pair[args.gpu], re.I) for kind, pair in KINDS.items()}
+    kinds = {kind: [e for e in ops if p.search(e["name"])] for kind, p in patterns.items()}
+    kinds["other fusions"] = [
+        e for e in ops if not any(p.search(e["name"]) for p in patterns.values())
+    ]
     every = [(e["ts"], e["ts"] + e["dur"]) for e in ops]
-    print(f"wall covered by any op: {covered(every) / 1e3:.0f} ms")
+    print(f"wall covered by any op: {covered(every) / 1e3:.1f} ms")
     for kind, chosen in kinds.items():
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in chosen]
-        thread = sum(e["dur"] for e in chosen)
-        print(f"  {kind}: {covered(spans) / 1e3:.0f} ms of wall, {thread / 1e3:.0f} ms of threads")
+        summed = sum(e["dur"] for e in chosen)
+        print(f"  {kind}: {covered(spans) / 1e3:.1f} ms of wall, {summed / 1e3:.1f} ms summed")
 
 
 if __name__ == "__main__":

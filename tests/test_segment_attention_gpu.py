@@ -61,6 +61,33 @@ def test_bfloat16_inputs_track_the_float32_reference(rng):
     np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("query_len, window", [(203, None), (203, 150), (40, None)])
+def test_tiles_seen_whole_skip_the_mask_and_change_nothing(rng, query_len, window):
+    """A long query's interior tiles run unmasked (`mask_every_tile=False`): the reference's
+    numbers, and masking every tile's to float32 rounding (the same tiles in the same order)."""
+    lens = rng.integers(3, 25, size=12)
+    tokens = -(-(query_len + lens.sum()) // 64) * 64
+    seg_start = np.arange(tokens, dtype=np.int32)
+    seg_start[:query_len] = 0
+    for start, n in zip(query_len + np.cumsum(lens) - lens, lens, strict=True):
+        seg_start[start : start + n] = start
+    q, k, v = random_qkv(rng, 1, 4, 2, tokens, 16)
+    window = None if window is None else jnp.int32(window)
+    args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]), window)
+    got = {
+        masked: segment_attention(
+            *args,
+            softcap=3.0,
+            block_sizes=GpuBlockSizes(32, 16, mask_every_tile=masked),
+            interpret=True,
+        )  # fmt: skip
+        for masked in (False, True)
+    }
+    np.testing.assert_allclose(got[False], got[True], atol=1e-6, rtol=0)
+    expected = segment_attention_reference(*args, softcap=3.0)
+    np.testing.assert_allclose(got[False], expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("query_len, max_len, window", [(200, 30, None), (40, 150, 70)])
 def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len, window):
     lens = rng.integers(5, max_len + 1, size=24)
@@ -110,6 +137,7 @@ def test_lowers_for_cuda(model, dtype):
         ({"block_q": 24}, "block_q must be a power of two >= 16"),
         ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
         ({"num_warps": 0}, "num_warps must be a positive int"),
+        ({"mask_every_tile": 1}, "mask_every_tile must be a bool"),
     ],
 )
 def test_block_sizes_are_validated(fields, message):

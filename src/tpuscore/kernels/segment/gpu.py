@@ -15,6 +15,12 @@ Blackwell), and its programming model (one program per output tile, a loop over 
 what this kernel needs; Mosaic GPU targets Hopper and later and asks for explicit warpgroup and
 TMA pipelining, which would double the code for a kernel that is bound by its two matmuls.
 
+Most of a long query's tiles need no mask: every row of the query tile sees every key of a
+prefix tile that ends before the tile's first row and before the query's end, when no window
+cuts it (the seeds' workload: an item tile's ~32 query tiles against its one or two own). Those
+tiles skip the mask's comparisons and selects (`mask_every_tile` keeps them, for comparison);
+the tiles are still visited in the same order, so the sums differ by float32 rounding at most.
+
 GQA: K and V tiles are loaded once per KV step and used for all G query heads of their kv head.
 Triton wants power-of-two block shapes, so the head dim is zero-padded to one in the wrapper
 (zeros change no dot product) and G is unrolled instead of reshaped.
@@ -51,6 +57,7 @@ class GpuBlockSizes:
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    mask_every_tile: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -61,6 +68,8 @@ class GpuBlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.mask_every_tile, bool):
+            raise ValueError(f"mask_every_tile must be a bool, got {self.mask_every_tile!r}")
 
     @property
     def tile(self) -> int:
@@ -83,7 +92,9 @@ def tuned_block_sizes(device_kind: str, head_dim: int, dtype) -> GpuBlockSizes:
     return GpuBlockSizes(**swept.get(tiles_key(head_dim, dtype), {}))
 
 
-def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, softcap, block_kv):
+def _kernel(
+    meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, softcap, block_kv, masked
+):
     """One query tile of one kv head: q_ref [G, block_q, H], k/v_ref [T, H], seg_ref [block_q],
     meta_ref [4] = (prefix_len, the tile's first segment start, its first position, window)."""
     i = pl.program_id(0)
@@ -104,23 +115,27 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
     qs = [q_ref[g] for g in range(G)]
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-    def step(j, carry):
+    def step(j, carry, *, every_key_visible=False):
         k = k_ref[pl.ds(j * block_kv, block_kv), :]
         v = v_ref[pl.ds(j * block_kv, block_kv), :]
-        cols = j * block_kv + jnp.arange(block_kv)
-        c = cols[None, :]
-        in_prefix = (c < prefix_len) & (c > pos[:, None] - window)
-        in_segment = (c >= seg_start[:, None]) & (c > rows[:, None] - window)
-        visible = (c <= rows[:, None]) & (in_prefix | in_segment)
+        if not every_key_visible:
+            c = (j * block_kv + jnp.arange(block_kv))[None, :]
+            in_prefix = (c < prefix_len) & (c > pos[:, None] - window)
+            in_segment = (c >= seg_start[:, None]) & (c > rows[:, None] - window)
+            visible = (c <= rows[:, None]) & (in_prefix | in_segment)
         out = []
         for q, (acc, m_prev, l_prev) in zip(qs, carry, strict=True):
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=precision, preferred_element_type=jnp.float32,
             )  # fmt: skip
-            s = jnp.where(visible, mask.soft_cap(s * scale, softcap), mask.MASK_VALUE)
+            s = mask.soft_cap(s * scale, softcap)
+            if not every_key_visible:
+                s = jnp.where(visible, s, mask.MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+            p = jnp.exp(s - m_next[:, None])
+            if not every_key_visible:
+                p = jnp.where(visible, p, 0.0)
             alpha = jnp.exp(m_prev - m_next)
             pv = jax.lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -137,7 +152,16 @@ def _kernel(meta_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, tiles_ref, *, scale, 
         )
         for _ in range(G)
     )
-    carry = jax.lax.fori_loop(prefix_from, prefix_to, step, init)
+    # The prefix tiles every row sees whole (module doc): [full_from, full_to), unmasked.
+    full_to = jnp.minimum(prefix_len, i * block_q + 1) // block_kv
+    full_to = jnp.clip(full_to, prefix_from, prefix_to)
+    full_from = jnp.where(window == mask.NO_WINDOW, prefix_from, full_to)
+    if masked:
+        full_from = full_to = prefix_to
+    unmasked = functools.partial(step, every_key_visible=True)
+    carry = jax.lax.fori_loop(prefix_from, full_from, step, init)
+    carry = jax.lax.fori_loop(full_from, full_to, unmasked, carry)
+    carry = jax.lax.fori_loop(full_to, prefix_to, step, carry)
     carry = jax.lax.fori_loop(segment_from, last_block + 1, step, carry)
     for g, (acc, _, total) in enumerate(carry):  # every row sees its own key: total > 0
         o_ref[g] = (acc / total[:, None]).astype(o_ref.dtype)
@@ -165,7 +189,9 @@ def attention(q, k, v, prefix_len, seg_start, window, block_sizes, interpret, sc
     window = jnp.full((B, nq), mask.NO_WINDOW if window is None else window, jnp.int32)
     meta = jnp.stack([prefix, first_key, first_pos, window], axis=-1)  # [B, nq, 4]
     scale = H**-0.5 if scale is None else scale
-    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, block_kv=bkv)
+    kernel = functools.partial(
+        _kernel, scale=scale, softcap=softcap, block_kv=bkv, masked=block_sizes.mask_every_tile
+    )
     o, tiles = pl.pallas_call(
         kernel,
         grid=(nq, B, K),
