@@ -108,6 +108,26 @@ def test_chunks_split_to_fit_the_memory_budget(scorers, rng, backend):
 
 
 @pytest.mark.parametrize("backend", PACKED)
+def test_a_step_that_would_pad_many_rows_runs_as_power_of_two_steps(scorers, rng, backend):
+    """Five requests are five packed rows: padded to 8 in one step, or where those 3 rows would
+    hold `split_padding_tokens` tokens or more (CPU default 128), steps of 4 and 1."""
+    base = scorers("llama_gqa_untied")
+    vocab = base.config.vocab_size
+    requests = [
+        dict(query=random_tokens(rng, 30, vocab), items=_items(rng, 3, vocab), label_token_ids=[1, 2])
+        for _ in range(5)
+    ]  # fmt: skip
+    expected = [base.score(**r, backend="serial").logprobs for r in requests]
+    batches = [make_batch(r["query"], r["items"], [1, 2], False) for r in requests]
+    for split, rows in [(None, [4, 1]), (0, [8]), (10**6, [8])]:
+        options = {backend: {"split_padding_tokens": split}}
+        scorer = Scorer(base.config, base.params, base.tokenizer, backend_options=options)
+        assert [s.rows for s in scorer.get_backend(backend).plan(batches).steps] == rows, split
+        for got, want in zip(scorer.score_batch(requests, backend=backend), expected, strict=True):
+            np.testing.assert_allclose(got.logprobs, want, atol=ATOL, rtol=0, err_msg=str(split))
+
+
+@pytest.mark.parametrize("backend", PACKED)
 @pytest.mark.parametrize("same_length", [True, False])
 def test_changing_one_item_leaves_the_others_unchanged(scorers, rng, backend, same_length):
     scorer = scorers("qwen3_qknorm")
@@ -145,6 +165,11 @@ def test_block_sizes_option_is_validated(scorers):
             Scorer(scorer.config, scorer.params, scorer.tokenizer, backend_options=options)
         assert err.value.code == "invalid_backend_option"
         assert err.value.param == "backend_options.packed_segment.block_sizes"
+    for backend in PACKED:
+        options = {backend: {"split_padding_tokens": -1}}
+        with pytest.raises(ValidationError) as err:
+            Scorer(scorer.config, scorer.params, scorer.tokenizer, backend_options=options)
+        assert err.value.param == f"backend_options.{backend}.split_padding_tokens"
 
 
 @pytest.mark.parametrize("backend", PACKED)

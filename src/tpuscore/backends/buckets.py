@@ -8,6 +8,9 @@ from __future__ import annotations
 
 MIN_TOKEN_BUCKET = 16
 MIN_LABEL_BUCKET = 16  # gathering a few more labels costs nothing; a recompile does
+# `split_rows`' threshold on a CPU: a step's fixed cost there is mostly reading every weight
+# once, worth about 30 tokens' compute, so padding of 128 tokens costs more than a step.
+CPU_SPLIT_PADDING_TOKENS = 128
 
 
 def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET, *, fine: bool = False) -> int:
@@ -59,6 +62,18 @@ def row_buckets(low: int, high: int, data: int = 1) -> list[int]:
         counts.add(-(-rows // data) * data)
         rows *= 2
     return sorted(counts)
+
+
+def split_rows(count: int, row_tokens: int, threshold: int, padded_rows) -> int:
+    """The rows a step of `count` rows of `row_tokens` tokens takes: all of them, or where
+    padding them to `padded_rows(count)` (a row bucket) would add `threshold` tokens or more
+    (0: never), the largest row bucket below (the rest go to the next steps, split again).
+    The steps' row counts stay in the shape set; what padding cost becomes a step's fixed cost."""
+    padding = (padded_rows(count) - count) * row_tokens
+    if not threshold or padding < threshold:
+        return count
+    below = pow2_floor(count)
+    return below if padded_rows(below) == below else count
 
 
 def pow2_floor(n: int) -> int:

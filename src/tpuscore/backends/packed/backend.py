@@ -25,6 +25,7 @@ import numpy as np
 from tpuscore.api.errors import ValidationError, check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
+from tpuscore.backends.buckets import CPU_SPLIT_PADDING_TOKENS
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import BackendOutput, Plan, stack_labels
 from tpuscore.backends.packed import packing, steps
@@ -36,18 +37,28 @@ from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models.model import Model
 
 logger = logging.getLogger(__name__)
+# `split_rows`' threshold on an accelerator: an H100 step's fixed cost (~2.5 ms: launch, input
+# copies) is about 1,100 of Qwen3-0.6B's tokens in bfloat16, so padding rows of 2,048 tokens or
+# more cost more than one step (the Batcher at SGLang's geometry: 20 rows of 512, padded to 32).
+ACCELERATOR_SPLIT_PADDING_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PackedOptions:
     """activation_bytes: the memory budget a chunk's estimate must fit (default 256 MiB on CPU,
-    an eighth of accelerator memory)."""
+    an eighth of accelerator memory). split_padding_tokens: a step whose padding rows would
+    hold at least this many tokens runs as steps of power-of-two rows instead (20 rows: 16 + 4
+    rather than 32; `buckets.split_rows`; default 128 on CPU, 2048 on accelerators, 0 =
+    never)."""
 
     activation_bytes: int | None = None
+    split_padding_tokens: int | None = None
 
     def __post_init__(self):
         if self.activation_bytes is not None:
             check_int("activation_bytes", self.activation_bytes, minimum=1)
+        if self.split_padding_tokens is not None:
+            check_int("split_padding_tokens", self.split_padding_tokens, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +111,14 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
     def __init__(self, model: Model, options: PackedOptions):
         self.model = model
         self.activation_bytes = options.activation_bytes or budgets.activation_budget()
+        split = options.split_padding_tokens
+        if split is None:
+            split = (
+                CPU_SPLIT_PADDING_TOKENS
+                if model.platform == "cpu"
+                else ACCELERATOR_SPLIT_PADDING_TOKENS
+            )
+        self.split_padding_tokens = split
 
     def run(self, plan: Plan) -> list[BackendOutput]:
         batches = plan.batches

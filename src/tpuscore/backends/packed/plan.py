@@ -10,7 +10,13 @@ import attrs
 import numpy as np
 
 from tpuscore.backends import work
-from tpuscore.backends.buckets import bucket_count, bucket_tokens, fine_ladder, pow2_floor
+from tpuscore.backends.buckets import (
+    bucket_count,
+    bucket_tokens,
+    fine_ladder,
+    pow2_floor,
+    split_rows,
+)
 from tpuscore.backends.contract import Plan, ScoreBatch
 from tpuscore.backends.packed import memory, packing
 from tpuscore.models.model import Model
@@ -39,6 +45,7 @@ class PackedPlanning:
     model: Model
     budget: int
     dense_mask: bool
+    split_padding_tokens: int
 
     def plan(self, batches: Sequence[ScoreBatch]) -> Plan:
         """The `schedule` of these groups."""
@@ -53,7 +60,9 @@ class PackedPlanning:
         of `length_for` its tokens and items.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
-        rows, the last step padded to one), so chunks of similar length share a step.
+        rows, the last step padded to one unless that padding would hold `split_padding_tokens`
+        tokens: then the largest power of two below, `buckets.split_rows`), so chunks of similar
+        length share a step.
         """
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
@@ -71,6 +80,7 @@ class PackedPlanning:
                 self.budget
             ):
                 count //= 2  # many items per row: the LM head's logits need room too
+            count = split_rows(count, length, self.split_padding_tokens, self.model.layout.rows)
             taken = chunks[start : start + count]
             steps.append(
                 PackedStep(

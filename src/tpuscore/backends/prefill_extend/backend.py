@@ -32,7 +32,7 @@ import numpy as np
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
-from tpuscore.backends.buckets import MIN_TOKEN_BUCKET, bucket_prefix
+from tpuscore.backends.buckets import CPU_SPLIT_PADDING_TOKENS, MIN_TOKEN_BUCKET, bucket_prefix
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
@@ -63,11 +63,6 @@ from tpuscore.models.decoder import Prefix
 from tpuscore.models.model import Model
 
 logger = logging.getLogger(__name__)
-
-# Padding (in item tokens) past which an extend step on CPU runs as steps of power-of-two rows.
-# A CPU step's fixed cost, mostly reading every weight once, is worth about 30 tokens of compute
-# whatever the model (twice the matmul rate over the memory bandwidth), so 128 leaves a margin.
-CPU_SPLIT_PADDING_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ from tpuscore.backends.buckets import (
     bucket_tokens,
     fine_ladder,
     pow2_floor,
+    split_rows,
 )
 from tpuscore.backends.prefill_extend import memory
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
@@ -44,12 +45,7 @@ class Sizing:
         """The items a step of `count` items takes: all of them, or where padding them to a row
         bucket would waste `split_padding_tokens` item tokens or more, the largest row bucket
         below (the rest go to the next steps, which are split again)."""
-        layout = self.model.layout
-        padding = (layout.rows(count) - count) * item_len
-        if not self.split_padding_tokens or padding < self.split_padding_tokens:
-            return count
-        below = pow2_floor(count)
-        return below if layout.rows(below) == below else count
+        return split_rows(count, item_len, self.split_padding_tokens, self.model.layout.rows)
 
     def batch_rows(self, item_len: int, row_prefix_len: int = 0) -> int:
         """Items per extend step: the override, or as many as the activation budget allows on
