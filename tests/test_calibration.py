@@ -165,6 +165,27 @@ def test_fit_calibration_writes_what_the_scorer_applies(fitted_file, checkpoint_
     np.testing.assert_array_equal(batch[0].calibrated, result.calibrated)
 
 
+def test_a_request_under_a_lora_adapter_gets_no_base_calibration(
+    fitted_file, checkpoint_dir, tmp_path
+):
+    from lora_reference import ADAPTERS, save_adapter
+
+    out, rows = fitted_file
+    base = checkpoint_dir(CASE)
+    adapter = save_adapter(base, tmp_path / "adapter", seed=5, **ADAPTERS["attn_mlp"])
+    scorer = Scorer.from_pretrained(
+        base, dtype="float32", score_calibration=out, adapters={"tuned": adapter}
+    )
+    query, items = rows[0]["query"], [r["item"] for r in rows[:3]]
+    assert scorer.score(query, items, labels=LABELS).calibrated is not None
+    tuned = scorer.score(query, items, labels=LABELS, adapter="tuned")
+    assert tuned.calibrated is None
+    batch = scorer.score_batch(
+        [{"query": query, "items": items, "labels": LABELS, "adapter": a} for a in (None, "tuned")]
+    )
+    assert batch[0].calibrated is not None and batch[1].calibrated is None
+
+
 def test_a_calibration_for_another_model_is_refused(fitted_file, checkpoint_dir):
     out, _ = fitted_file
     with pytest.raises(CalibrationMismatch) as e:

@@ -41,12 +41,16 @@ def load(path: str | os.PathLike, engine: Engine) -> Calibration:
 def attach(
     fitted: Calibration | None, requests: Sequence[ScoreRequest], results: list[ScoreResult]
 ) -> list[ScoreResult]:
-    """The results with `calibrated` set where the calibration covers the request's labels."""
+    """The results with `calibrated` set where the calibration covers the request's labels and
+    its model: the base model's requests, not a LoRA adapter's (an adapter is another model,
+    whose scores the base's fit does not describe)."""
     if fitted is None:
         return results
     return [
         attrs.evolve(result, calibrated=fitted.probabilities(result.logprobs))
-        if fitted.covers(request.label_ids, request.classification) and len(result.logprobs)
+        if fitted.covers(request.label_ids, request.classification)
+        and request.adapter == 0
+        and len(result.logprobs)
         else result
         for request, result in zip(requests, results, strict=True)
     ]
