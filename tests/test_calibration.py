@@ -165,6 +165,19 @@ def test_fit_calibration_writes_what_the_scorer_applies(fitted_file, checkpoint_
     np.testing.assert_array_equal(batch[0].calibrated, result.calibrated)
 
 
+def test_a_chunked_documents_chunks_carry_calibrated_as_items_would(fitted_file, checkpoint_dir):
+    out, rows = fitted_file
+    scorer = Scorer.from_pretrained(checkpoint_dir(CASE), dtype="float32", score_calibration=out)
+    query = rows[0]["query"]
+    document = " ".join(r["item"] for r in rows[:12])
+    chunked = scorer.score(query, [document], labels=LABELS, chunking={"window": 8})
+    assert len(chunked.spans) > 1
+    z = chunked.chunks.logprobs[:, 0].astype(np.float64) - chunked.chunks.logprobs[:, 1]
+    data = json.loads(out.read_text())
+    a, b = data["parameters"]["a"], data["parameters"]["b"]
+    np.testing.assert_allclose(chunked.chunks.calibrated, scipy.special.expit(a * z + b), rtol=1e-5)
+
+
 def test_a_request_under_a_lora_adapter_gets_no_base_calibration(
     fitted_file, checkpoint_dir, tmp_path
 ):

@@ -93,7 +93,10 @@ class Scorer:
         `ScoreOptions`. Bad input raises ValidationError before anything runs."""
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
         if chunking is not None:
-            return chunked.score(self.engine, query, items, chunking, options, backend=backend)
+            return chunked.score(
+                self.engine, query, items, chunking, options, backend=backend,
+                calibration=self.score_calibration,
+            )  # fmt: skip
         return self.run([self.engine.prepare(query, items, options)], backend=backend)[0]
 
     def prepare(

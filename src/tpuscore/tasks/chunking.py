@@ -21,12 +21,13 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import templates
+from tpuscore.api.calibration import Calibration
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions
 from tpuscore.api.results import ScoreResult
 from tpuscore.engine.runner import Engine
-from tpuscore.tasks import ranking
+from tpuscore.tasks import calibrated, ranking
 
 
 @attrs.frozen
@@ -148,15 +149,18 @@ def score(
     *,
     positive: Any = None,
     backend: str | None = None,
+    calibration: Calibration | None = None,
 ) -> ChunkedResult:
-    """`Scorer.score(..., chunking=)`: every chunk an item of one request."""
+    """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
+    carries `calibrated` per chunk under `calibration` (as an item's would; the documents'
+    aggregated scores are not calibrated)."""
     chunking = Chunking.of(chunking)
     chunks = split(engine.tokenizer, items, chunking)
     try:
         request = engine.prepare(query, chunks.items, options)
     except ValidationError as e:
         raise located(e, chunks) from None
-    result = engine.run([request], backend=backend)[0]
+    result = calibrated.attach(calibration, [request], engine.run([request], backend=backend))[0]
     # A chunk's score is rank's: the positive label's probability within the labels (a
     # classification model's class probability).
     relevance = result.label_probs[:, _positive(result, positive)].astype(np.float64)
