@@ -165,7 +165,8 @@ class Model:
         precision = resolve_precision(dtype)
         if precision == INT8 and layout.platform != "cpu":
             # An H100 scored a tiny random model 1.76 from float32 in int8 where this CPU's
-            # int8 is 0.019 away (benchmarks/gpu_checks.py): refused until a GPU run is exact.
+            # int8 is 0.019 away: every int8 piece is right there alone, the scanned layers are
+            # not (benchmarks/gpu_int8_checks.py). Refused until a GPU run is exact.
             raise PrecisionError(
                 f"dtype='int8' is a CPU mode (int8 matmuls on VNNI/AMX); this model is placed "
                 f"on {layout.platform}, where it is not verified: use 'bfloat16' or 'mixed'"
