@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from helpers import ServerThread, random_tokens
@@ -401,6 +402,19 @@ def test_a_template_that_does_not_fit_the_model_is_refused_at_start(scorer):
         server.create_app(scorer, rerank_template="plain")
     with pytest.raises(ValueError, match="unknown"):
         server.create_app(scorer, rerank_template="nope")
+
+
+def test_an_app_without_a_model_name_reports_the_scorers_model(scorer, checkpoint_dir):
+    """An embedded app named the default model whatever it served (and, with adapters loaded,
+    answered 404 to a request naming the model it had loaded); it is now the scorer's name, its
+    `from_pretrained` model's."""
+    name = checkpoint_dir(CASE).resolve().name
+    assert scorer.model_name == name
+    with TestClient(server.create_app(scorer, rerank_template=TEMPLATE)) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == name
+        body = {"query": "x", "items": ["a"], "label_token_ids": [1], "model": name}
+        response = client.post("/v1/score", json=body)
+        assert response.status_code == 200 and response.json()["model"] == name
 
 
 def test_a_bug_answers_500_and_the_server_stays_up(client):

@@ -51,6 +51,8 @@ class Scorer:
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         options as `from_pretrained`'s (but the loader's), and `Engine`'s selector."""
         self.engine = building.build(config, params, tokenizer, **options)
+        # What a server reports and requests name: from_pretrained's model, else the default's.
+        self.model_name = building.DEFAULT_MODEL_NAME
         self.score_calibration = (  # a `Calibration` (docs/calibration.md), or None
             None if score_calibration is None else calibrated.load(score_calibration, self.engine)
         )
@@ -73,12 +75,14 @@ class Scorer:
             compilation_cache_dir=compilation_cache_dir, revision=revision,
             local_files_only=local_files_only, cache_dir=cache_dir,
         )  # fmt: skip
-        return cls(
+        scorer = cls(
             config, params, tokenizer, dtype=dtype, backend=backend, adapters=adapters,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
             score_calibration=score_calibration,
         )  # fmt: skip
+        scorer.model_name = building.model_name(model)
+        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""

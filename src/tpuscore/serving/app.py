@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -50,6 +49,7 @@ import tpuscore
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
+from tpuscore.engine.building import DEFAULT_MODEL_NAME, model_name
 from tpuscore.scorer import Scorer
 from tpuscore.serving import completions, dialects, guards, responses, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded
@@ -83,7 +83,6 @@ __all__ = [
     "wire_names",
 ]
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = RequestLimits().max_items
 # Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
@@ -91,21 +90,10 @@ DEFAULT_MAX_ITEMS = RequestLimits().max_items
 DEFAULT_KEEP_ALIVE_S = 75
 
 
-def model_name(model: str | None) -> str:
-    """The name a server reports for `--model`: the default model's, a path's last part, or
-    the hub id as given."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    if path.exists():
-        return path.stem if path.is_file() else path.resolve().name
-    return str(model)
-
-
 def create_app(
     scorer: Scorer,
     *,
-    model_name: str = DEFAULT_MODEL_NAME,
+    model_name: str | None = None,
     rerank_template: str | templates.Template = "plain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
@@ -117,7 +105,9 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app serving `scorer`.
 
-    rerank_template is a `tpuscore.api.templates` name or a `Template` of your own. The app
+    model_name: what responses and /v1/models call the model, and what a request's "model"
+    may name (default: the scorer's `model_name`). rerank_template is a
+    `tpuscore.api.templates` name or a `Template` of your own. The app
     builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
     to share, which the caller closes.
@@ -128,6 +118,7 @@ def create_app(
     defaults unless given; max_items, if given, replaces its max_items). Raises ValueError for
     an unknown template name or a limit below 1. metrics_names: `/metrics`' series, tpuscore's,
     vLLM's or both (serving/metrics.py)."""
+    model_name = scorer.model_name if model_name is None else model_name
     limits = limits or RequestLimits()
     if max_items is not None:
         limits = attrs.evolve(limits, max_items=max_items)
