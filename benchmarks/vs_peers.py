@@ -143,15 +143,6 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def terminate_with_parent() -> None:
-    """In a worker before it runs: SIGTERM it when the driver dies (Linux's PR_SET_PDEATHSIG),
-    which the worker answers by killing its process group (vs_peers_worker.py)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Worker:
     """A peer subprocess speaking vs_peers_worker.py's JSON-lines protocol."""
 
@@ -161,7 +152,6 @@ class Worker:
         self.proc = subprocess.Popen(
             [python, str(WORKER), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, env={**os.environ, **env}, start_new_session=True,
-            preexec_fn=terminate_with_parent,
         )  # fmt: skip
         hello = self._read()
         self.describe = hello["describe"]

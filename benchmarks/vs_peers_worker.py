@@ -98,6 +98,18 @@ class LlamaCppPeer:
         return self.llama.score(query, items, labels).tolist()
 
 
+def terminate_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG); at once if the
+    parent died before the request."""
+    import ctypes
+
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("system", choices=["vllm", "llama.cpp"])
@@ -111,11 +123,12 @@ def main() -> None:
     parser.add_argument("--flash-attn", action="store_true")
     parser.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false")
     args = parser.parse_args()
-    # The driver starts this worker as the leader of its own process group, and the kernel sends
-    # it SIGTERM if the driver dies: it then takes its group down with it (vLLM's engine
-    # process among them), which would otherwise spin on for minutes, taking the CPU from runs
-    # that follow.
+    # The driver starts this worker as the leader of its own process group; asked here (not in
+    # a preexec_fn, unsafe in the driver's threaded process), the kernel sends it SIGTERM when
+    # the driver dies, and it then takes its group down with it (vLLM's engine process among
+    # them), which would otherwise spin on for minutes, taking the CPU from runs that follow.
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    terminate_with_parent()
     out = protocol_stream()
     peer = VllmPeer(args) if args.system == "vllm" else LlamaCppPeer(args)
     out.write(json.dumps({"ready": True, "describe": peer.description}) + "\n")
