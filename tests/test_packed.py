@@ -114,9 +114,10 @@ def test_a_step_that_would_pad_many_rows_runs_as_power_of_two_steps(scorers, rng
     base = scorers("llama_gqa_untied")
     vocab = base.config.vocab_size
     requests = [
-        dict(query=random_tokens(rng, 30, vocab), items=_items(rng, 3, vocab), label_token_ids=[1, 2])
+        {"query": random_tokens(rng, 30, vocab), "items": _items(rng, 3, vocab)}
+        | {"label_token_ids": [1, 2]}
         for _ in range(5)
-    ]  # fmt: skip
+    ]
     expected = [base.score(**r, backend="serial").logprobs for r in requests]
     batches = [make_batch(r["query"], r["items"], [1, 2], False) for r in requests]
     for split, rows in [(None, [4, 1]), (0, [8]), (10**6, [8])]:
