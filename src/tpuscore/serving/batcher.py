@@ -114,10 +114,12 @@ class Batcher(BatchQueue):
     `request_timeout_s` (default None: none) is every request's deadline unless a call gives its
     own `timeout_s`.
 
-    Each caller gets what `scorer.score` would return for its request alone: bit-identical when
-    its batch holds no other request with the same query, labels and item_first and the request
-    runs in one batch, and within 1e-5 (float32) otherwise (its items are then scored in backend
-    calls with other padding). Requests naming different backends (`backend=`) run in separate
+    Each caller gets what `scorer.score` would return for its request alone, within the
+    batch-composition bound (docs/batch-invariance.md: |batched - alone| <= 5e-5 + 1e-5 x |alone|
+    in float32): a batch's requests share device steps, whose row counts and padding change
+    float32 rounding (a request batched with six others of different queries moved by up to
+    9.5e-7 on a tiny model). Bit-identical when it runs alone, in one batch, or on a scorer built
+    with `batch_invariant=True`. Requests naming different backends (`backend=`) run in separate
     calls. A request run over several batches reports the backends that ran it joined by "+"
     when they differ, and the tokens of every batch (its query once per batch).
 
