@@ -62,8 +62,9 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
             )
         except ValidationError as e:
             raise ValueError(
-                f"rerank template {t.name!r} does not fit this model: {e}; "
-                "choose another --rerank-template"
+                f"rerank template {t.name!r} does not fit this model: {e}; choose another "
+                "--rerank-template, or in Python give create_app a templates.Template whose "
+                "labels are single tokens here (docs/serving.md)"
             ) from None
         fitted = scorer.score_calibration
         if fitted is not None and fitted.template is not None:  # docs/calibration.md
