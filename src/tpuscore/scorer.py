@@ -18,15 +18,16 @@ from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
-from tpuscore.engine import building, executables, progress, selection
+from tpuscore.engine import building, executables, selection
 from tpuscore.engine.building import Adapters, BackendOptions, Profile
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
+from tpuscore.models import loaders
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.loaders import orbax
 from tpuscore.models.weights import Params
-from tpuscore.tasks import calibrated, loglikelihood, prompt_logprobs
 from tpuscore.tasks import chunking as chunked
+from tpuscore.tasks import loglikelihood, prompt_logprobs
 from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.prompt_logprobs import PromptLogprobs
@@ -35,9 +36,9 @@ from tpuscore.tasks.ranking import RankedItem
 Query, Items = str | list[int], list[str] | list[list[int]]
 
 
-def _engine_attribute(path: str, doc: str) -> property:
-    """A read-only attribute of the scorer's engine at dotted `path`."""
-    return property(lambda self: operator.attrgetter(path)(self.engine), doc=doc)
+def _engine_attribute(path: str, doc: str, convert: Callable = lambda x: x) -> property:
+    """A read-only attribute of the scorer's engine at dotted `path` (as `convert` gives it)."""
+    return property(lambda self: convert(operator.attrgetter(path)(self.engine)), doc=doc)
 
 
 class Scorer:
@@ -45,17 +46,12 @@ class Scorer:
     one with `from_pretrained` and reuse it (it keeps compiled shapes and caches). Thread-safe."""
 
     def __init__(
-        self, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None, *,
-        score_calibration: str | os.PathLike | None = None, **options: Any,
+        self, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None,
+        **options: Any,
     ):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         options as `from_pretrained`'s (but the loader's), and `Engine`'s selector."""
         self.engine = building.build(config, params, tokenizer, **options)
-        # What a server reports and requests name: from_pretrained's model, else the default's.
-        self.model_name = building.DEFAULT_MODEL_NAME
-        self.score_calibration = (  # a `Calibration` (docs/calibration.md), or None
-            None if score_calibration is None else calibrated.load(score_calibration, self.engine)
-        )
 
     @classmethod
     def from_pretrained(
@@ -75,14 +71,12 @@ class Scorer:
             compilation_cache_dir=compilation_cache_dir, revision=revision,
             local_files_only=local_files_only, cache_dir=cache_dir,
         )  # fmt: skip
-        scorer = cls(
+        return cls(
             config, params, tokenizer, dtype=dtype, backend=backend, adapters=adapters,
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
-            score_calibration=score_calibration,
+            score_calibration=score_calibration, model_name=loaders.model_name(model),
         )  # fmt: skip
-        scorer.model_name = building.model_name(model)
-        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
@@ -96,12 +90,7 @@ class Scorer:
         """log P(label | query + item) after each item (with chunking, per document); options:
         `ScoreOptions`. Bad input raises ValidationError before anything runs."""
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
-        if chunking is not None:
-            return chunked.score(
-                self.engine, query, items, chunking, options, backend=backend,
-                calibration=self.score_calibration,
-            )  # fmt: skip
-        return self.run([self.engine.prepare(query, items, options)], backend=backend)[0]
+        return chunked.score_items(self.engine, query, items, chunking, options, backend=backend)
 
     def prepare(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, **options: Any
@@ -116,17 +105,14 @@ class Scorer:
     ) -> list[ScoreResult]:  # fmt: skip
         """Score prepared requests together (those sharing a query share its work); on_progress
         gets the requests each backend call completes."""
-        results = self.engine.run(requests, backend=backend, on_progress=on_progress)
-        return calibrated.attach(self.score_calibration, requests, results)
+        return self.engine.run(requests, backend=backend, on_progress=on_progress)
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         show_progress: bool = False,
     ) -> list[ScoreResult]:  # fmt: skip
         """One result per request (a mapping of `score`'s arguments), all checked first."""
-        prepared = self.prepare_batch(requests, backend=backend)
-        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
-            return self.run(prepared, backend=backend, on_progress=advance)
+        return self.engine.score_batch(requests, backend, show_progress)
 
     def prepare_request(
         self, request: Mapping[str, Any], *, backend: str | None = None
@@ -201,7 +187,10 @@ class Scorer:
     tokenizer = _engine_attribute("tokenizer", "The tokenizer, or None.")
     backends = _engine_attribute("backends", "The `BackendPool`.")
     cost_model = _engine_attribute("cost_model", "auto's `CostModel`.")
-    adapters = property(
-        lambda self: list(self.engine.model.adapter_names),
-        doc="The names of the LoRA adapters a request may name (`adapter=`), in load order.",
+    model_name = _engine_attribute("model_name", "What a server reports and requests name.")
+    score_calibration = property(  # settable: another calibration for the same model
+        lambda self: self.engine.score_calibration,
+        lambda self, fitted: setattr(self.engine, "score_calibration", fitted),
+        doc="A `Calibration` (docs/calibration.md), or None.",
     )
+    adapters = _engine_attribute("model.adapter_names", "LoRA adapters, in load order.", list)

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from tpuscore.api.errors import ValidationError
     from tpuscore.api.requests import ScoreOptions
     from tpuscore.cli.common import InputError, load_scorer
+    from tpuscore.engine import calibration as engine_calibration
     from tpuscore.tasks import calibrated
 
     columns = [args.query_column, args.item_column, args.label_column]
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         z = calibration.log_odds(np.stack(rows), positive, request.classification)
         fitted = calibration.fit(
             z, labels, method=args.method, test_fraction=args.test_fraction, seed=args.seed,
-            model=calibrated.model_fingerprint(scorer.engine),
+            model=engine_calibration.model_fingerprint(scorer.engine.model),
             template=None if template is None else template.name,
             label_token_ids=request.label_ids,
             labels=list(template.labels) if template and not classes else args.labels,

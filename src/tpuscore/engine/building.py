@@ -6,7 +6,6 @@ mesh's layout, for `load`."""
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,19 +26,6 @@ from tpuscore.parallel import sharding
 Adapters = Mapping[str, "str | os.PathLike | LoraAdapter"]
 BackendOptions = Mapping[str, Mapping[str, Any]]
 Profile = DeviceProfile | str | os.PathLike
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def model_name(model: str | os.PathLike | None) -> str:
-    """The name a model is known by (a server reports it, and requests name it): the default
-    model's, a path's last part, or the hub id as given."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = pathlib.Path(model)
-    if path.exists():
-        return path.stem if path.is_file() else path.resolve().name
-    return str(model)
 
 
 def build(

@@ -9,6 +9,7 @@ model and hands its calls here; the tasks (`tpuscore.tasks`) build on the same m
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -28,10 +29,19 @@ from tpuscore.backends.contract import (
     ShapeLimits,
 )
 from tpuscore.backends.pool import BackendPool
-from tpuscore.engine import executables, memory_guard, planning, selection, shapes
+from tpuscore.engine import (
+    calibration,
+    executables,
+    memory_guard,
+    planning,
+    progress,
+    selection,
+    shapes,
+)
 from tpuscore.engine.profiles import DeviceProfile
 from tpuscore.engine.warmup import DEFAULT_GEOMETRIES, Warmed, warm
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import default as default_model
 from tpuscore.models.model import Model
 
 
@@ -52,6 +62,10 @@ class Engine:
             one: engines never share executables unless they share a guard).
         batch_invariant: a request's scores bit-identical whatever shares its call
             (docs/batch-invariance.md); backends that cannot be so are refused.
+        model_name: what a server on it reports and requests name (`loaders.model_name`).
+        score_calibration: a `tpuscore fit-calibration` file fitted for this model, refused
+            otherwise; `run`'s results then carry `calibrated` where it covers them
+            (docs/calibration.md).
     """
 
     def __init__(
@@ -65,8 +79,12 @@ class Engine:
         profile: DeviceProfile | None = None,
         batch_invariant: bool = False,
         executables_guard: executables.Guard | None = None,
+        model_name: str = default_model.NAME,
+        score_calibration: str | os.PathLike | None = None,
     ):
         self.model = model
+        self.model_name = model_name
+        self.score_calibration = calibration.load(score_calibration, model)
         self.tokenizer = tokenizer
         self.batch_invariant = bool(batch_invariant)
         self.default_backend = self.checked_backend(backend)
@@ -160,9 +178,10 @@ class Engine:
         backend: str | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> list[ScoreResult]:
-        """Score prepared requests: grouped by query, labels and item_first, each backend called
-        once with all the groups that picked it. Every group's backend is checked before any
-        runs; on_progress, if given, gets the number of requests each backend call completes."""
+        """Score prepared requests (calibrated under `score_calibration`): grouped by query,
+        labels and item_first, each backend called once with all the groups that picked it.
+        Every group's backend is checked before any runs; on_progress, if given, gets the number
+        of requests each backend call completes."""
         name = self.backend_name(backend)
         results = [
             ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
@@ -186,7 +205,17 @@ class Engine:
             if on_progress is not None:
                 on_progress(sum(len(g.members) for g in call.groups))
         self.executables.check()
-        return results
+        return calibration.attach(self.score_calibration, requests, results)
+
+    def score_batch(
+        self, requests: Sequence[Mapping[str, Any]], backend: str | None = None,
+        show_progress: bool = False,
+    ) -> list[ScoreResult]:  # fmt: skip
+        """`run` of every request (mappings of `prepare`'s arguments), all prepared first, with a
+        progress bar where asked."""
+        prepared = self.prepare_batch(requests, backend)
+        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+            return self.run(prepared, backend=backend, on_progress=advance)
 
     def plan(self, request: ScoreRequest) -> selection.Plan:
         """Every built-in backend's estimate for the request, and the pick "auto" would make

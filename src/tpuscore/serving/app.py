@@ -49,7 +49,8 @@ import tpuscore
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits
-from tpuscore.engine.building import DEFAULT_MODEL_NAME, model_name
+from tpuscore.models.loaders import model_name
+from tpuscore.models.loaders.default import NAME as DEFAULT_MODEL_NAME
 from tpuscore.scorer import Scorer
 from tpuscore.serving import completions, dialects, guards, responses, tei
 from tpuscore.serving.batcher import Batcher, DeadlineExceeded, Overloaded

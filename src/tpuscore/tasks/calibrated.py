@@ -1,59 +1,18 @@
-"""Calibrated scores over the engine: the model's fingerprint, loading a calibration for it,
-scoring labelled examples to fit one, and attaching `calibrated` to results. The math is
-`tpuscore.api.calibration`'s."""
+"""Fitting a score calibration: scoring labelled examples over the engine (the fit's math is
+`tpuscore.api.calibration`'s; loading one and attaching `calibrated` to results are
+`engine/calibration.py`'s)."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
-from tpuscore.api import calibration, templates
-from tpuscore.api.calibration import Calibration
+from tpuscore.api import templates
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
-from tpuscore.api.results import ScoreResult
 from tpuscore.engine.runner import Engine
-from tpuscore.parallel.sharding import to_host
-
-# The weights a fingerprint reads: every checkpoint has the first two and they differ between
-# fine-tunes of one base (a head, where there is one, is what a classifier fine-tune changes).
-FINGERPRINT_WEIGHTS = ("embed", "final_norm", "lm_head", "score")
-
-
-def model_fingerprint(engine: Engine) -> str:
-    """The engine's model's identity, as `calibration.fingerprint` computes it."""
-    weights = engine.model.weights
-    arrays = [to_host(weights[name]) for name in FINGERPRINT_WEIGHTS if name in weights]
-    return calibration.fingerprint(dataclasses.asdict(engine.model.config), arrays)
-
-
-def load(path: str | os.PathLike, engine: Engine) -> Calibration:
-    """The calibration at path, refused (`CalibrationMismatch`) if fitted for another model."""
-    loaded = Calibration.load(path)
-    loaded.check(model=model_fingerprint(engine), template=loaded.template)
-    return loaded
-
-
-def attach(
-    fitted: Calibration | None, requests: Sequence[ScoreRequest], results: list[ScoreResult]
-) -> list[ScoreResult]:
-    """The results with `calibrated` set where the calibration covers the request's labels and
-    its model: the base model's requests, not a LoRA adapter's (an adapter is another model,
-    whose scores the base's fit does not describe)."""
-    if fitted is None:
-        return results
-    return [
-        attrs.evolve(result, calibrated=fitted.probabilities(result.logprobs))
-        if fitted.covers(request.label_ids, request.classification)
-        and request.adapter == 0
-        and len(result.logprobs)
-        else result
-        for request, result in zip(requests, results, strict=True)
-    ]
 
 
 def score_examples(

@@ -21,13 +21,12 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import templates
-from tpuscore.api.calibration import Calibration
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions
 from tpuscore.api.results import ScoreResult
 from tpuscore.engine.runner import Engine
-from tpuscore.tasks import calibrated, ranking
+from tpuscore.tasks import ranking
 
 
 @attrs.frozen
@@ -149,22 +148,32 @@ def score(
     *,
     positive: Any = None,
     backend: str | None = None,
-    calibration: Calibration | None = None,
 ) -> ChunkedResult:
     """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
-    carries `calibrated` per chunk under `calibration` (as an item's would; the documents'
-    aggregated scores are not calibrated)."""
+    carries `calibrated` per chunk under the engine's calibration (as an item's would; the
+    documents' aggregated scores are not calibrated)."""
     chunking = Chunking.of(chunking)
     chunks = split(engine.tokenizer, items, chunking)
     try:
         request = engine.prepare(query, chunks.items, options)
     except ValidationError as e:
         raise located(e, chunks) from None
-    result = calibrated.attach(calibration, [request], engine.run([request], backend=backend))[0]
+    result = engine.run([request], backend=backend)[0]
     # A chunk's score is rank's: the positive label's probability within the labels (a
     # classification model's class probability).
     relevance = result.label_probs[:, _positive(result, positive)].astype(np.float64)
     return aggregate(chunks, relevance, chunking, result)
+
+
+def score_items(
+    engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions, *,
+    backend: str | None = None,
+) -> ScoreResult | ChunkedResult:  # fmt: skip
+    """`Scorer.score`: the items scored whole, or by their chunks (`score`) where `chunking` is
+    given."""
+    if chunking is None:
+        return engine.run([engine.prepare(query, items, options)], backend=backend)[0]
+    return score(engine, query, items, chunking, options, backend=backend)
 
 
 @attrs.frozen

@@ -26,6 +26,17 @@ from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
 
 
+def model_name(model: str | os.PathLike | None) -> str:
+    """The name `model` (as `load` takes it) is known by: a server reports it and requests name
+    it. The default model's, a path's last part, or the hub id as given."""
+    if model is None:
+        return default.NAME
+    path = Path(model)
+    if path.exists():
+        return path.stem if path.is_file() else path.resolve().name
+    return str(model)
+
+
 def load(
     model: str | os.PathLike | None,
     *,

