@@ -61,17 +61,23 @@ def test_bfloat16_inputs_track_the_float32_reference(rng):
     np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("query_len, window", [(203, None), (203, 150), (40, None)])
-def test_tiles_seen_whole_skip_the_mask_and_change_nothing(rng, query_len, window):
-    """A long query's interior tiles run unmasked (`mask_every_tile=False`): the reference's
-    numbers, and masking every tile's to float32 rounding (the same tiles in the same order)."""
-    lens = rng.integers(3, 25, size=12)
-    tokens = -(-(query_len + lens.sum()) // 64) * 64
+def items_after_query(query_len: int, lens: np.ndarray, tile: int) -> np.ndarray:
+    """seg_start [tokens]: a causal query of query_len, then one segment per item length, then
+    single-row padding to a multiple of `tile`."""
+    tokens = -(-(query_len + lens.sum()) // tile) * tile
     seg_start = np.arange(tokens, dtype=np.int32)
     seg_start[:query_len] = 0
     for start, n in zip(query_len + np.cumsum(lens) - lens, lens, strict=True):
         seg_start[start : start + n] = start
-    q, k, v = random_qkv(rng, 1, 4, 2, tokens, 16)
+    return seg_start
+
+
+@pytest.mark.parametrize("query_len, window", [(203, None), (203, 150), (40, None)])
+def test_tiles_seen_whole_skip_the_mask_and_change_nothing(rng, query_len, window):
+    """A long query's interior tiles run unmasked (`mask_every_tile=False`): the reference's
+    numbers, and masking every tile's to float32 rounding (the same tiles in the same order)."""
+    seg_start = items_after_query(query_len, rng.integers(3, 25, size=12), 64)
+    q, k, v = random_qkv(rng, 1, 4, 2, len(seg_start), 16)
     window = None if window is None else jnp.int32(window)
     args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]), window)
     got = {
@@ -90,12 +96,8 @@ def test_tiles_seen_whole_skip_the_mask_and_change_nothing(rng, query_len, windo
 
 @pytest.mark.parametrize("query_len, max_len, window", [(200, 30, None), (40, 150, 70)])
 def test_runs_the_same_tiles_as_the_tpu_kernel(rng, query_len, max_len, window):
-    lens = rng.integers(5, max_len + 1, size=24)
-    tokens = -(-(query_len + lens.sum()) // 128) * 128
-    seg_start = np.arange(tokens, dtype=np.int32)
-    seg_start[:query_len] = 0
-    for start, n in zip(query_len + np.cumsum(lens) - lens, lens, strict=True):
-        seg_start[start : start + n] = start
+    seg_start = items_after_query(query_len, rng.integers(5, max_len + 1, size=24), 128)
+    tokens = len(seg_start)
     q, k, v = random_qkv(rng, 1, 2, 1, tokens, 16)
     window = None if window is None else jnp.int32(window)
     args = (q, k, v, jnp.array([query_len]), jnp.asarray(seg_start[None]), window)
