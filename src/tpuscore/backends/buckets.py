@@ -6,6 +6,8 @@ bounded number of times.
 
 from __future__ import annotations
 
+from typing import Any
+
 MIN_TOKEN_BUCKET = 16
 MIN_LABEL_BUCKET = 16  # gathering a few more labels costs nothing; a recompile does
 # `split_rows`' threshold on a CPU: a step's fixed cost there is mostly reading every weight
@@ -40,6 +42,21 @@ def fine_ladder(platform: str) -> bool:
     Accelerators keep the coarser ladder, whose shapes their profiles were calibrated on and
     whose compiles cost more, until a device run measures the finer one."""
     return platform == "cpu"
+
+
+class PlatformBuckets:
+    """Token and item buckets on the ladder of the model's platform (`fine_ladder`): what a
+    backend's planning and shape set pad to."""
+
+    model: Any  # a `Model`: its platform picks the ladder
+
+    def token_bucket(self, n: int) -> int:
+        """`bucket_tokens` of n on this model's platform's ladder."""
+        return bucket_tokens(n, fine=fine_ladder(self.model.platform))
+
+    def item_bucket(self, n: int) -> int:
+        """`bucket_item_tokens` of n on this model's platform's ladder."""
+        return bucket_item_tokens(n, fine=fine_ladder(self.model.platform))
 
 
 def bucket_count(n: int, minimum: int = 1) -> int:

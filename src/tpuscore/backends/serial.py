@@ -18,7 +18,7 @@ import numpy as np
 from tpuscore.api.errors import check_int
 from tpuscore.backends import budgets, work
 from tpuscore.backends.base import Scoring
-from tpuscore.backends.buckets import bucket_tokens, fine_ladder, pow2_floor, row_buckets
+from tpuscore.backends.buckets import PlatformBuckets, pow2_floor, row_buckets
 from tpuscore.backends.budgets import Budgeted
 from tpuscore.backends.contract import (
     BackendOutput,
@@ -116,7 +116,7 @@ class SerialStep:
     rows: int
 
 
-class SerialBackend(Scoring, Budgeted):
+class SerialBackend(Scoring, Budgeted, PlatformBuckets):
     score_sequences = staticmethod(score_sequences)  # the jitted step: a seam for tests
 
     def __init__(self, model: Model, options: SerialOptions):
@@ -167,10 +167,6 @@ class SerialBackend(Scoring, Budgeted):
             )
             for step in plan.steps
         ]
-
-    def token_bucket(self, n: int) -> int:
-        """`bucket_tokens` of n on this model's platform's ladder (`fine_ladder`)."""
-        return bucket_tokens(n, fine=fine_ladder(self.model.platform))
 
     def rows_per_step(self, length: int) -> int:
         """Rows of a step of sequences padded to `length`: the most that fit (non-invariant

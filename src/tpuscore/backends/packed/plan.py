@@ -10,13 +10,7 @@ import attrs
 import numpy as np
 
 from tpuscore.backends import work
-from tpuscore.backends.buckets import (
-    bucket_count,
-    bucket_tokens,
-    fine_ladder,
-    pow2_floor,
-    split_rows,
-)
+from tpuscore.backends.buckets import PlatformBuckets, bucket_count, pow2_floor, split_rows
 from tpuscore.backends.contract import Plan, ScoreBatch
 from tpuscore.backends.packed import memory, packing
 from tpuscore.models.model import Model
@@ -39,7 +33,7 @@ class PackedStep:
     tokens: tuple[int, ...]
 
 
-class PackedPlanning:
+class PackedPlanning(PlatformBuckets):
     """The planning half of the packed backends (module doc)."""
 
     model: Model
@@ -96,7 +90,7 @@ class PackedPlanning:
     def bucket(self, tokens: int) -> int:
         """The packed length that `tokens` real tokens are padded to: a token bucket on this
         model's platform's ladder (`fine_ladder`)."""
-        return bucket_tokens(tokens, fine=fine_ladder(self.model.platform))
+        return self.token_bucket(tokens)
 
     def rows(self, length: int) -> int:
         """Packed rows per step at this length whose memory fits the budget on each device."""

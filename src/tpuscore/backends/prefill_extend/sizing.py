@@ -6,14 +6,7 @@ none adds a dimension to the shape set."""
 from __future__ import annotations
 
 from tpuscore.backends import work
-from tpuscore.backends.buckets import (
-    bucket_item_tokens,
-    bucket_prefix,
-    bucket_tokens,
-    fine_ladder,
-    pow2_floor,
-    split_rows,
-)
+from tpuscore.backends.buckets import PlatformBuckets, bucket_prefix, pow2_floor, split_rows
 from tpuscore.backends.prefill_extend import memory
 from tpuscore.backends.prefill_extend.prefix_cache import PrefixCache
 from tpuscore.models.model import Model
@@ -23,7 +16,7 @@ MAX_PREFILL_TOKENS = 16384  # query tokens per batched prefill step, likewise
 INVARIANT_ROWS = 16  # items per extend step and device in batch-invariant mode, padding included
 
 
-class Sizing:
+class Sizing(PlatformBuckets):
     """The step-size half of `Planning`."""
 
     model: Model
@@ -32,14 +25,6 @@ class Sizing:
     activation_bytes: int
     batch_items: int | None
     split_padding_tokens: int
-
-    def token_bucket(self, n: int) -> int:
-        """`bucket_tokens` of n on this model's platform's ladder (`fine_ladder`)."""
-        return bucket_tokens(n, fine=fine_ladder(self.model.platform))
-
-    def item_bucket(self, n: int) -> int:
-        """`bucket_item_tokens` of n on this model's platform's ladder."""
-        return bucket_item_tokens(n, fine=fine_ladder(self.model.platform))
 
     def unpadded_rows(self, count: int, item_len: int) -> int:
         """The items a step of `count` items takes: all of them, or where padding them to a row
