@@ -219,12 +219,12 @@ def test_prefill_extend_runs_it_and_matches_xla_ops(scorers, rng, monkeypatch):
     items = jnp.asarray(rng.integers(0, config.vocab_size, (3, 6)), jnp.int32)
     args = (scorer.params, prefix, items, jnp.asarray([6, 4, 1]), jnp.asarray([1, 2]), config)
     lowered = prefill_extend.score_items.lower(*args).as_text()
-    assert cpu_attention.library.TARGET in lowered
+    assert cpu_attention.library.PREFIX_TARGET in lowered
     fused = np.asarray(prefill_extend.score_items(*args))
     monkeypatch.setattr(prefill_extend, "prefix_kernel", lambda: None)
     jax.clear_caches()
     try:
-        assert cpu_attention.library.TARGET not in prefill_extend.score_items.lower(*args).as_text()
+        assert cpu_attention.library.PREFIX_TARGET not in prefill_extend.score_items.lower(*args).as_text()
         plain = np.asarray(prefill_extend.score_items(*args))
     finally:
         monkeypatch.undo()

@@ -30,6 +30,7 @@ from tpuscore.models import attention
 STAND_IN = """
 extern "C" int tpuscore_cpu_supported() { return 1; }
 extern "C" int TpuscorePrefixAttention() { return 0; }
+extern "C" int TpuscoreSegmentAttention() { return 0; }
 extern "C" int tpuscore_stand_in() { return 42; }
 """
 
@@ -50,7 +51,7 @@ def stand_in(tmp_path, monkeypatch) -> list[str]:
     """The stand-in source in place of the kernel's; returns a list that records each build."""
     source = tmp_path / "stand_in.cc"
     source.write_text(STAND_IN)
-    monkeypatch.setattr(library, "SOURCE", source)
+    monkeypatch.setattr(library, "SOURCES", (source,))
     builds = []
     real = library._build
     monkeypatch.setattr(library, "_build", lambda cxx, out: (builds.append(out), real(cxx, out)))
@@ -193,7 +194,7 @@ def test_the_least_recently_loaded_builds_go_past_the_cap(cxx, stand_in, folder,
 
 
 def test_a_failed_build_warns_and_leaves_nothing(stand_in, folder, caplog, monkeypatch):
-    monkeypatch.setattr(library, "SOURCE", folder.parent / "missing.cc")
+    monkeypatch.setattr(library, "SOURCES", (folder.parent / "missing.cc",))
     with caplog.at_level(logging.WARNING, logger=library.__name__):
         assert library.load_library(["false"], folder) is None
     assert "did not build" in caplog.text

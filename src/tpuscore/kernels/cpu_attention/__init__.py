@@ -1,10 +1,18 @@
-"""A fused CPU attention kernel (C++, AVX-512, an XLA FFI call) for the attention of many rows
-to one shared prefix's K/V, float32: the query-side half of prefill_extend's steps, which XLA:CPU
-otherwise runs as two matmuls with the softmax's passes over the scores in memory between them
-(docs/benchmarks.md, "A fused CPU kernel for the attention to the query"). `library.py` builds
-and registers it; `attention._prefix_parts` is its jnp reference."""
+"""Fused CPU attention kernels (C++, AVX-512, XLA FFI calls), float32, where XLA:CPU would run
+two matmuls with the softmax's passes over the scores in memory between them:
+
+- `prefix_attention`: many rows attending to one shared prefix's K/V, the query-side half of
+  prefill_extend's steps (docs/benchmarks.md, "A fused CPU kernel for the attention to the
+  query"); `attention._prefix_parts` is its jnp reference.
+- `segment_attention`: packed rows under the shared-prefix segment mask, packed_segment's
+  attention on CPU, computing only the keys each block of rows can see;
+  `segment.mask.segment_attention_reference` is its jnp reference.
+
+`library.py` builds and registers them."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +40,62 @@ def prefix_attention(
     G = N // K
     rows = jax.ShapeDtypeStruct((B * T, K, G), jnp.float32)
     call = jax.ffi.ffi_call(
-        library.TARGET,
+        library.PREFIX_TARGET,
         (jax.ShapeDtypeStruct((B * T, K, G, H), jnp.float32), rows, rows),
         vmap_method="sequential",
     )
     length = jnp.asarray(length, jnp.int32).reshape(())
     o, m, total = call(q.reshape(B * T, K, G, H), k, v, length, scale=np.float32(scale))
     return o.reshape(B, T, K, G, H), m.reshape(B, T, K, G, 1), total.reshape(B, T, K, G, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuTiles:
+    """packed_segment's `block_sizes` on CPU: the fused segment kernel's blocks, for pricing
+    (block_q tokens of rows, each meeting keys in panels of block_kv). Its rows need no padding
+    to whole tiles (tile 1)."""
+
+    block_q: int = 16
+    block_kv: int = 32
+    tile: int = 1
+
+
+def segment_kernel_applies(dtype, softcap: float | None) -> bool:
+    """Whether `segment_attention` runs for inputs of this dtype and soft-cap in this process."""
+    return dtype == jnp.float32 and softcap is None and available()
+
+
+def segment_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    prefix_len: jax.Array,
+    seg_start: jax.Array,
+    window: jax.Array | None,
+    scale: float | None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Attention [B,T,N,H] of q [B,T,N,H] to k/v [B,T,K,H] under the segment mask of prefix_len
+    [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32 scalar, may
+    be traced; None: none), scores scaled by `scale` (None: H ** -0.5). Only where
+    `segment_kernel_applies` (ValueError otherwise: the caller runs its own ops there)."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    if not all(segment_kernel_applies(x.dtype, softcap) for x in (q, k, v)):
+        raise ValueError("the CPU segment kernel needs float32, no soft-cap and AVX-512")
+    call = jax.ffi.ffi_call(
+        library.SEGMENT_TARGET,
+        jax.ShapeDtypeStruct((B, T, K, N // K, H), jnp.float32),
+        vmap_method="sequential",
+    )
+    window = jnp.iinfo(jnp.int32).max if window is None else window
+    o = call(
+        q.reshape(B, T, K, N // K, H),
+        k.transpose(0, 2, 3, 1),  # [B, K, H, T]: a key panel is contiguous
+        v.transpose(0, 2, 1, 3),  # [B, K, T, H]
+        jnp.asarray(prefix_len, jnp.int32),
+        jnp.asarray(seg_start, jnp.int32),
+        jnp.asarray(window, jnp.int32).reshape(()),
+        scale=np.float32(H**-0.5 if scale is None else scale),
+    )
+    return o.reshape(B, T, N, H)

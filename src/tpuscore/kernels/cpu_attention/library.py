@@ -1,10 +1,10 @@
-"""The CPU attention kernel's shared library: compiled from its C++ source on first use, kept in
-the user cache, registered with XLA:CPU as an FFI target.
+"""The CPU attention kernels' shared library: compiled from its C++ sources on first use, kept in
+the user cache, registered with XLA:CPU as FFI targets.
 
-The package ships the source (`prefix_attention.cc`), not a binary: the first process that wants
-the kernel compiles it with the system C++ compiler (`$CXX`, split as a shell would, so
-`CXX="ccache g++"` works; else `c++`, `g++` or `clang++`; about 6 s) against the XLA FFI headers
-jaxlib ships, into an entry keyed by the source, the compiler and jaxlib, written under a
+The package ships the sources (`prefix_attention.cc`, `segment_attention.cc` and the `common.h`
+they share), not a binary: the first process that wants the kernels compiles them with the
+system C++ compiler (`$CXX`, split as a shell would, so `CXX="ccache g++"` works; else `c++`,
+`g++` or `clang++`; about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the sources, the compiler and jaxlib, written under a
 temporary name and renamed into place (so two processes compiling at once both end with a whole
 one; a killed build's temporary file is removed by a later one). Later processes load it; one
 that does not load is built again. Where it cannot run (not Linux on x86-64, no compiler, a CPU
@@ -54,10 +54,15 @@ ENV = "TPUSCORE_CPU_KERNELS"
 CACHE_ENV = "TPUSCORE_KERNEL_CACHE"
 MAX_ENTRIES_ENV = "TPUSCORE_KERNEL_CACHE_MAX_ENTRIES"
 DEFAULT_MAX_ENTRIES = 8  # builds for other compilers or jaxlibs beyond these go, oldest first
-SOURCE = Path(__file__).with_name("prefix_attention.cc")
+SOURCES = tuple(Path(__file__).with_name(f"{n}.cc") for n in ("prefix_attention", "segment_attention"))
+HEADERS = (Path(__file__).with_name("common.h"),)  # what the sources include: part of the key
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
-TARGET = "tpuscore_prefix_attention"  # the FFI target's name in XLA
-SYMBOL = "TpuscorePrefixAttention"  # its handler in the library
+# FFI target in XLA -> its handler in the library
+TARGETS = {
+    "tpuscore_prefix_attention": "TpuscorePrefixAttention",
+    "tpuscore_segment_attention": "TpuscoreSegmentAttention",
+}
+PREFIX_TARGET, SEGMENT_TARGET = TARGETS
 SUPPORTED = "tpuscore_cpu_supported"  # whether this CPU runs it
 STALE_SECONDS = 24 * 3600  # a temporary build file no live process can be writing
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -84,12 +89,14 @@ def compiler() -> list[str] | None:
 
 
 def entry_name(cxx: list[str]) -> str:
-    """The library's file name in the cache: keyed by the source, the compiler, jaxlib and the
+    """The library's file name in the cache: keyed by the sources, the compiler, jaxlib and the
     flags."""
     run = subprocess.run(
         [*cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
     )
-    key = hashlib.blake2b(SOURCE.read_bytes(), digest_size=12)
+    key = hashlib.blake2b(digest_size=12)
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
     key.update(f"{run.stdout}\n{jaxlib.__version__}\n{FLAGS}".encode())
     return f"prefix_attention-{key.hexdigest()}.so"
 
@@ -196,7 +203,7 @@ def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
 
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
-    for symbol in (SYMBOL, SUPPORTED):
+    for symbol in (*TARGETS.values(), SUPPORTED):
         if not hasattr(library, symbol):
             raise OSError(f"{path} has no symbol {symbol}")
     return library
@@ -211,7 +218,7 @@ def _build(cxx: list[str], out: Path) -> None:
     os.close(fd)
     built = Path(name)
     try:
-        command = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        command = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)]
         subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
         os.chmod(built, 0o755)  # whatever the umask: writable by this user only
         os.replace(built, out)
@@ -314,6 +321,7 @@ def _register() -> bool:
     library = load_library(cxx)
     if library is None or not getattr(library, SUPPORTED)():
         return False
-    handler = jax.ffi.pycapsule(getattr(library, SYMBOL))
-    jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
+    for target, symbol in TARGETS.items():
+        handler = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, handler, platform="cpu")
     return True

@@ -1,0 +1,109 @@
+"""The fused CPU segment kernel (`cpu_attention.segment_attention`): packed rows under the
+shared-prefix segment mask, against the jnp reference `segment_attention_reference` on fresh
+random layouts (windows, GQA, head dims and lengths the kernel's panels do not divide), an
+item's output independent in bits of the other items' contents, and packed_segment running it
+on CPU. Skips where the platform cannot run the kernel, as test_cpu_attention.py does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_cpu_attention import cannot_run
+from tpuscore import Scorer
+from tpuscore.backends.packed import steps as packed_steps
+from tpuscore.kernels import cpu_attention
+from tpuscore.kernels.cpu_attention import CpuTiles
+from tpuscore.kernels.segment.mask import segment_attention_reference
+
+pytestmark = pytest.mark.skipif(cannot_run() is not None, reason=str(cannot_run()))
+
+kernel = jax.jit(cpu_attention.segment_attention, static_argnames=("scale", "softcap"))
+
+
+def packed_layout(rng, T: int) -> tuple[int, np.ndarray, list[tuple[int, int]]]:
+    """A random packed row of T tokens: (prefix_len, seg_start [T], the items' [start, stop))."""
+    prefix_len = int(rng.integers(0, T))
+    seg_start, items, at = np.zeros(T, np.int32), [], prefix_len
+    while at < T and rng.random() < 0.9:
+        n = int(min(T - at, rng.integers(1, max(2, (T - at) // 2 + 1))))
+        seg_start[at : at + n] = at
+        items.append((at, at + n))
+        at += n
+    seg_start[at:] = np.arange(at, T)  # padding rows: each its own segment
+    return prefix_len, seg_start, items
+
+
+def reference(q, k, v, prefix_len, seg_start, window, scale):
+    """`segment_attention_reference` in the kernel's token-major layout."""
+    heads_first = [x.swapaxes(1, 2) for x in (q, k, v)]
+    out = segment_attention_reference(*heads_first, prefix_len, seg_start, window, scale=scale)
+    return out.swapaxes(1, 2)
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_it_equals_the_reference_on_random_layouts(case, rng):
+    B, K, G = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 3]))
+    H = int(rng.choice([24, 64, 128]))
+    T = int(rng.choice([16, 100, 130, 272]))  # not all multiples of the 32-key panels
+    layouts = [packed_layout(rng, T) for _ in range(B)]
+    prefix_len = jnp.asarray([p for p, _, _ in layouts], jnp.int32)
+    seg_start = jnp.asarray(np.stack([s for _, s, _ in layouts]))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (K * G, K, K)
+    )
+    window = jnp.int32(int(rng.integers(1, 40))) if case % 2 else None
+    scale = float(rng.uniform(0.05, 0.3))
+    got = kernel(q, k, v, prefix_len, seg_start, window, scale=scale)
+    want = reference(q, k, v, prefix_len, seg_start, window, scale)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_items_output_does_not_depend_on_the_other_items_in_bits(rng):
+    T, K, G, H = 160, 2, 3, 64
+    prefix_len, seg_start, items = 37, np.zeros(T, np.int32), [(37, 60), (60, 101), (101, 160)]
+    for start, stop in items:
+        seg_start[start:stop] = start
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, n, H)), jnp.float32) for n in (K * G, K, K))
+    args = (jnp.asarray([prefix_len], jnp.int32), jnp.asarray(seg_start[None]), None)
+    before = kernel(q, k, v, *args, scale=0.125)
+    others = np.r_[60:160]  # the second and third items' tokens, rewritten
+    noise = [jnp.asarray(rng.standard_normal(x[:, others].shape), jnp.float32) for x in (q, k, v)]
+    q2, k2, v2 = (x.at[:, others].set(n) for x, n in zip((q, k, v), noise, strict=True))
+    after = kernel(q2, k2, v2, *args, scale=0.125)
+    np.testing.assert_array_equal(before[:, :60], after[:, :60])  # the query and the first item
+    assert not np.array_equal(before[:, 60:], after[:, 60:])
+
+
+def test_packed_segment_runs_it_on_cpu_and_scores_as_the_reference(checkpoint_dir, rng):
+    scorer = Scorer.from_pretrained(checkpoint_dir("llama_gqa_untied"), dtype="float32")
+    backend = scorer.get_backend("packed_segment")
+    assert isinstance(backend.block_sizes, CpuTiles) and backend.interpret is False
+    vocab = scorer.config.vocab_size
+    query = rng.integers(0, vocab, 45).tolist()
+    items = [rng.integers(0, vocab, int(rng.integers(1, 20))).tolist() for _ in range(7)]
+    got = scorer.score(query, items, [3, 4], backend="packed_segment")
+    want = scorer.score(query, items, [3, 4], backend="reference")
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    config, T = scorer.config, 64
+    tokens = jnp.zeros((1, T), jnp.int32)
+    lowered = packed_steps.score_packed.lower(
+        scorer.engine.model.params, tokens, tokens, jnp.zeros(1, jnp.int32), tokens,
+        jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 2), jnp.int32), config=config,
+        block_sizes=CpuTiles(), layout=scorer.engine.model.layout, interpret=False,
+    ).as_text()  # fmt: skip
+    assert cpu_attention.library.SEGMENT_TARGET in lowered
+
+
+def test_bfloat16_attention_and_a_soft_cap_keep_xlas_ops():
+    assert not cpu_attention.segment_kernel_applies(jnp.bfloat16, None)
+    assert not cpu_attention.segment_kernel_applies(jnp.float32, 50.0)
+    assert cpu_attention.segment_kernel_applies(jnp.float32, None)
+    x = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.segment_attention(
+            x, x[:, :, :1], x[:, :, :1], jnp.zeros(1, jnp.int32), jnp.zeros((1, 32), jnp.int32),
+            None, None,
+        )  # fmt: skip
