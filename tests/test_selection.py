@@ -48,7 +48,13 @@ def test_the_seeds_cases_under_the_tpu_v6e_profile(geometry, expected):
     assert all(e.eligible and e.fits for e in plan.estimates)
 
 
-def test_item_first_goes_to_serial_and_interpreted_kernels_are_never_picked():
+def test_item_first_goes_to_serial_and_interpreted_kernels_are_never_picked(monkeypatch):
+    # packed_segment runs a fused kernel on CPU; as a backend compiled only on TPU and GPU
+    # (a Pallas kernel interpreted here) it must not be picked.
+    registration = registry.registration("packed_segment")
+    capabilities = attrs.evolve(registration.capabilities, compiled_on=frozenset({"tpu", "gpu"}))
+    interpreted = attrs.evolve(registration, capabilities=capabilities)
+    monkeypatch.setitem(registry._REGISTRY, "packed_segment", interpreted)
     pool = abstract_pool(QWEN3_0_6B, 4 << 30, "cpu")
     on_cpu = selection.CostModel(profiles.built_in("tpu-v6e"), platform="cpu")
     batch = make_batch(list(range(1, 101)), [[7] * 100] * 10, [5, 6], item_first=False)
@@ -64,8 +70,9 @@ def test_item_first_goes_to_serial_and_interpreted_kernels_are_never_picked():
 def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
     path = checkpoint_dir("qwen2_bias")
     config = Scorer.from_pretrained(path, dtype="float32").config
-    # A profile where a step costs 1 s and a token through the layers 10 ms: packed_dense (one
-    # step) beats prefill_extend (the same tokens in two), and serial (the query once per item).
+    # A profile where a step costs 1 s and a token through the layers 10 ms: the packed backends
+    # (one step; packed_segment first in auto's order of ties) beat prefill_extend (the same
+    # tokens in two), and serial (the query once per item).
     token_flops = step_work(config, 4, rows=1, new=1, pairs=0, slots=0, peak=0).flops
     steps_and_tokens = DeviceProfile(
         name="steps", device_kinds=(), matmul_flops={"float32": 100 * token_flops},
@@ -75,15 +82,17 @@ def test_a_backend_over_its_budget_gives_way_to_the_next(checkpoint_dir, rng):
     roomy = Scorer.from_pretrained(path, dtype="float32", profile=steps_and_tokens)
     vocab = roomy.config.vocab_size
     query, items = random_tokens(rng, 200, vocab), [random_tokens(rng, 5, vocab) for _ in range(6)]
-    assert roomy.plan(query, items, [1, 2]).pick == "packed_dense"
+    assert roomy.plan(query, items, [1, 2]).pick == "packed_segment"
 
-    budget = packed_bytes(roomy.config, 128, dense_mask=True)  # under one 200-token row
+    budgets = {  # under one 200-token row
+        name: {"activation_bytes": packed_bytes(roomy.config, 128, dense_mask=dense)}
+        for name, dense in (("packed_dense", True), ("packed_segment", False))
+    }
     tight = Scorer.from_pretrained(
-        path, dtype="float32", profile=steps_and_tokens,
-        backend_options={"packed_dense": {"activation_bytes": budget}},
-    )  # fmt: skip
+        path, dtype="float32", profile=steps_and_tokens, backend_options=budgets
+    )
     plan = tight.plan(query, items, [1, 2])
-    assert not plan["packed_dense"].fits
+    assert not plan["packed_dense"].fits and not plan["packed_segment"].fits
     assert plan.pick == "prefill_extend"
     got = tight.score(query, items, [1, 2])
     assert got.backend == "prefill_extend"

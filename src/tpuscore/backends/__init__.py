@@ -2,7 +2,7 @@
 
 Built in: "prefill_extend" (the query once, then every item against its cached K/V),
 "packed_dense" and "packed_segment" (the query and many items in one sequence, isolated by a
-dense mask or by a Pallas kernel's procedural mask), "serial" (one sequence per item, jitted and
+dense mask or by a kernel's procedural mask), "serial" (one sequence per item, jitted and
 batched: the baseline) and "reference" (plain numpy, one sequence at a time: the oracle).
 Register your own with `register`.
 """
@@ -47,7 +47,6 @@ register(
     PackedSegmentBackend,
     options=PackedSegmentOptions,
     item_first=False,
-    compiled_on={"tpu", "gpu"},  # a Mosaic TPU and a Triton kernel; on CPU, interpret mode
     auto=True,
     adapters=True,
 )

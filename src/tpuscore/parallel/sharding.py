@@ -149,13 +149,13 @@ class Layout:
             last_hidden=jax.device_put(prefix.last_hidden, replicated),
         )
 
-    def over_shards(self, kernel: Callable) -> Callable:
-        """kernel(q, k, v, prefix_len, seg_start, window) (q/k/v [B, heads, T, H], prefix_len
-        [B], seg_start [B, T], window [] replicated) run on every device for its own rows and
-        heads."""
+    def over_shards(self, kernel: Callable, heads_axis: int = 1) -> Callable:
+        """kernel(q, k, v, prefix_len, seg_start, window) (q/k/v [B, heads, T, H], or [B, T,
+        heads, H] for heads_axis 2, prefix_len [B], seg_start [B, T], window [] replicated) run
+        on every device for its own rows and heads."""
         if self.mesh is None:
             return kernel
-        heads, rows = P(DATA, MODEL), P(DATA)
+        heads, rows = P(DATA, *[None] * (heads_axis - 1), MODEL), P(DATA)
         return jax.shard_map(
             kernel,
             mesh=self.mesh,

@@ -8,10 +8,11 @@ backends differ only in how attention applies that mask:
 
 - packed_dense materializes it as a [T, T] mask for XLA attention: simple, O(T^2) memory, so the
   items are split into chunks whose estimated attention memory fits a budget.
-- packed_segment runs a Pallas flash-attention kernel that computes the mask per tile from O(T)
+- packed_segment runs a flash-attention kernel that computes the mask per tile from O(T)
   metadata and skips tiles the mask empties: `kernels.segment.tpu` on TPU,
-  `kernels.segment.gpu` (Triton) on GPUs. On CPU it runs the TPU kernel in Pallas
-  interpret mode: right, but not fast.
+  `kernels.segment.gpu` (Triton) on GPUs, `kernels.cpu_attention`'s fused C++ kernel on CPU
+  (where it cannot run, the dense mask). Given the TPU kernel's `BlockSizes` on CPU, it runs
+  that in Pallas interpret mode: right, but not fast.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from tpuscore.backends.packed import packing, steps
 from tpuscore.backends.packed.plan import PackedPlanning
 from tpuscore.backends.packed.shapes import PackedStepShapes
 from tpuscore.backends.packed.steps import SCORE_PACKED
+from tpuscore.kernels import cpu_attention
+from tpuscore.kernels.cpu_attention import CpuTiles
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, tuned_block_sizes
 from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models.model import Model
@@ -64,9 +67,9 @@ class PackedOptions:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PackedSegmentOptions(PackedOptions):
     """As packed_dense's, and block_sizes: the kernel's tiles. On a GPU a `GpuBlockSizes` (the
-    Triton kernel's), elsewhere a `BlockSizes` (the TPU kernel's), or a dict of its fields;
-    default on a GPU the swept tiles for its kind (`gpu.tuned_block_sizes`), elsewhere the
-    default tiles."""
+    Triton kernel's), elsewhere a `BlockSizes` (the TPU kernel's; on CPU, run in interpret
+    mode), or a dict of its fields; default on a GPU the swept tiles for its kind
+    (`gpu.tuned_block_sizes`), on CPU the fused C++ kernel's, on TPU the default tiles."""
 
     block_sizes: BlockSizes | GpuBlockSizes | None = None
 
@@ -94,7 +97,7 @@ class PackedSegmentOptions(PackedOptions):
 class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
     """What both packed backends share; subclasses say how attention applies the mask."""
 
-    block_sizes: BlockSizes | GpuBlockSizes | None = None
+    block_sizes: BlockSizes | GpuBlockSizes | CpuTiles | None = None
     dense_mask = True
     score_packed = staticmethod(steps.score_packed)  # the jitted step: a seam for tests
 
@@ -104,6 +107,8 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
         platform, resolved once) is not the platform the tiles are for. None without the kernel."""
         if self.block_sizes is None:
             return None
+        if isinstance(self.block_sizes, CpuTiles):
+            return False
         return self.model.platform != (
             "gpu" if isinstance(self.block_sizes, GpuBlockSizes) else "tpu"
         )
@@ -206,7 +211,9 @@ class PackedDenseBackend(PackedBackend):
 
 
 class PackedSegmentBackend(PackedBackend):
-    """packed_segment: attention by the Pallas segment kernel, which never builds the mask."""
+    """packed_segment: attention by a segment kernel, which never builds the mask: Pallas on TPU
+    and GPU, the fused C++ kernel on CPU (`kernels.cpu_attention`; the dense mask where that
+    cannot run: no AVX-512, bfloat16 attention or a soft-cap)."""
 
     dense_mask = False
 
@@ -216,9 +223,15 @@ class PackedSegmentBackend(PackedBackend):
         if self.block_sizes is None and model.platform == "gpu":
             kind = jax.devices()[0].device_kind
             self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
+        elif self.block_sizes is None and model.platform == "cpu":
+            # The fused CPU kernel; where it cannot run, XLA's ops under the dense mask.
+            if cpu_attention.segment_kernel_applies(model.dtype, model.config.attn_logit_softcap):
+                self.block_sizes = CpuTiles()
+            else:
+                self.dense_mask = True
         elif self.block_sizes is None:
             self.block_sizes = BlockSizes()
 
     def bucket(self, tokens: int) -> int:
-        tile = self.block_sizes.tile  # the kernel needs whole tiles
+        tile = 1 if self.block_sizes is None else self.block_sizes.tile  # the kernel's whole tiles
         return -(-super().bucket(tokens) // tile) * tile

@@ -8,6 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tpuscore.kernels import cpu_attention
+from tpuscore.kernels.cpu_attention import CpuTiles
 from tpuscore.kernels.segment import segment_attention
 from tpuscore.kernels.segment.gpu import GpuBlockSizes
 from tpuscore.kernels.segment.mask import segment_mask
@@ -32,7 +34,7 @@ def score_packed(
     score_index: jax.Array,
     label_ids: jax.Array,
     config: ModelConfig,
-    block_sizes: BlockSizes | GpuBlockSizes | None,
+    block_sizes: BlockSizes | GpuBlockSizes | CpuTiles | None,
     layout: Layout = ONE_DEVICE,
     interpret: bool | None = None,
     adapters: RowAdapters | None = None,
@@ -41,18 +43,29 @@ def score_packed(
     with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
 
     block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
-    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one), run
-    on each device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
+    whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one;
+    `CpuTiles`: the fused CPU kernel, or the dense mask where it does not apply), run on each
+    device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
     in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
     False). adapters: each packed row's LoRA adapter (a row holds one query's items), or None.
     """
     B, T = tokens.shape
-    if block_sizes is None:
+
+    def dense(q, k, v, layer):
         mask = segment_mask(prefix_len, seg_start, T)
+        window = within_window(positions, positions, layer.window)
+        return attend(q, k, v, mask & window, layer)
+
+    if block_sizes is None:
+        attention = dense
+    elif isinstance(block_sizes, CpuTiles):
 
         def attention(q, k, v, layer):
-            window = within_window(positions, positions, layer.window)
-            return attend(q, k, v, mask & window, layer)
+            if not cpu_attention.segment_kernel_applies(q.dtype, layer.softcap):
+                return dense(q, k, v, layer)
+            kernel = functools.partial(cpu_attention.segment_attention, scale=layer.scale)
+            window = jnp.int32(NO_WINDOW) if layer.window is None else layer.window
+            return layout.over_shards(kernel, heads_axis=2)(q, k, v, prefix_len, seg_start, window)
 
     else:
 
