@@ -224,7 +224,8 @@ def test_prefill_extend_runs_it_and_matches_xla_ops(scorers, rng, monkeypatch):
     monkeypatch.setattr(prefill_extend, "prefix_kernel", lambda: None)
     jax.clear_caches()
     try:
-        assert cpu_attention.library.PREFIX_TARGET not in prefill_extend.score_items.lower(*args).as_text()
+        lowered = prefill_extend.score_items.lower(*args).as_text()
+        assert cpu_attention.library.PREFIX_TARGET not in lowered
         plain = np.asarray(prefill_extend.score_items(*args))
     finally:
         monkeypatch.undo()

@@ -51,9 +51,7 @@ def test_it_equals_the_reference_on_random_layouts(case, rng):
     layouts = [packed_layout(rng, T) for _ in range(B)]
     prefix_len = jnp.asarray([p for p, _, _ in layouts], jnp.int32)
     seg_start = jnp.asarray(np.stack([s for _, s, _ in layouts]))
-    q, k, v = (
-        jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (K * G, K, K)
-    )
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (K * G, K, K))
     window = jnp.int32(int(rng.integers(1, 40))) if case % 2 else None
     scale = float(rng.uniform(0.05, 0.3))
     got = kernel(q, k, v, prefix_len, seg_start, window, scale=scale)

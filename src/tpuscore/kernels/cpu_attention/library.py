@@ -2,14 +2,14 @@
 the user cache, registered with XLA:CPU as FFI targets.
 
 The package ships the sources (`prefix_attention.cc`, `segment_attention.cc` and the `common.h`
-they share), not a binary: the first process that wants the kernels compiles them with the
-system C++ compiler (`$CXX`, split as a shell would, so `CXX="ccache g++"` works; else `c++`,
-`g++` or `clang++`; about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the sources, the compiler and jaxlib, written under a
-temporary name and renamed into place (so two processes compiling at once both end with a whole
-one; a killed build's temporary file is removed by a later one). Later processes load it; one
-that does not load is built again. Where it cannot run (not Linux on x86-64, no compiler, a CPU
-without AVX-512F, a failed build) `registered()` is False and callers keep XLA's own ops;
-`TPUSCORE_CPU_KERNELS=off` turns it off.
+they share), not a binary: the first process that wants the kernels compiles them with the system
+C++ compiler (`$CXX`, split as a shell would, so `CXX="ccache g++"` works; else `c++`, `g++` or
+`clang++`; about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the sources,
+the compiler and jaxlib, written under a temporary name and renamed into place (so two processes
+compiling at once both end with a whole one; a killed build's temporary file is removed by a later
+one). Later processes load it; one that does not load is built again. Where it cannot run (not
+Linux on x86-64, no compiler, a CPU without AVX-512F, a failed build) `registered()` is False and
+callers keep XLA's own ops; `TPUSCORE_CPU_KERNELS=off` turns it off.
 
 Loading a library runs its code, so the cache is trusted only when no other user could have
 written it: the folder (and every folder above it, unless sticky like /tmp) must be owned by
@@ -54,7 +54,9 @@ ENV = "TPUSCORE_CPU_KERNELS"
 CACHE_ENV = "TPUSCORE_KERNEL_CACHE"
 MAX_ENTRIES_ENV = "TPUSCORE_KERNEL_CACHE_MAX_ENTRIES"
 DEFAULT_MAX_ENTRIES = 8  # builds for other compilers or jaxlibs beyond these go, oldest first
-SOURCES = tuple(Path(__file__).with_name(f"{n}.cc") for n in ("prefix_attention", "segment_attention"))
+SOURCES = tuple(
+    Path(__file__).with_name(f"{name}.cc") for name in ("prefix_attention", "segment_attention")
+)
 HEADERS = (Path(__file__).with_name("common.h"),)  # what the sources include: part of the key
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
 # FFI target in XLA -> its handler in the library
