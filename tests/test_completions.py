@@ -86,7 +86,9 @@ def test_prompts_sharing_a_prefix_share_it_and_equal_each_alone(scorer, rng, mon
     prefixes = []
     query_prefix = backend.query_prefix
     monkeypatch.setattr(
-        backend, "query_prefix", lambda q: prefixes.append(len(q)) or query_prefix(q)
+        backend,
+        "query_prefix",
+        lambda q, adapter=0: prefixes.append(len(q)) or query_prefix(q, adapter),
     )
     together = scorer.prompt_logprobs(prompts)
     assert sorted(prefixes) == [1, 6]  # the first token once, the common prefix once

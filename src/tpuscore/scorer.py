@@ -155,14 +155,21 @@ class Scorer:
         )  # fmt: skip
 
     def loglikelihood(
-        self, context: Query, continuations: Items, *, backend: str | None = None
-    ) -> list[LoglikelihoodResult]:
-        """log P(continuation | context) per continuation, as lm-evaluation-harness scores it."""
-        return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
+        self, context: Query, continuations: Items, *, backend: str | None = None,
+        adapter: str | None = None,
+    ) -> list[LoglikelihoodResult]:  # fmt: skip
+        """log P(continuation | context) per continuation, as lm-evaluation-harness scores it;
+        `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
+        return loglikelihood.loglikelihood(
+            self.engine, context, continuations, backend=backend, adapter=adapter
+        )
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
-        """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md)."""
-        return prompt_logprobs.prompt_logprobs(self.engine, prompts)
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, adapter: str | None = None
+    ) -> list[PromptLogprobs]:
+        """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md);
+        `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
+        return prompt_logprobs.prompt_logprobs(self.engine, prompts, adapter)
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,

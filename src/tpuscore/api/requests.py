@@ -155,7 +155,8 @@ class ScoreRequest:
 @attrs.frozen
 class LoglikelihoodRequest:
     """A validated `Scorer.loglikelihood` call as token ids: a non-empty context and non-empty
-    continuations."""
+    continuations; adapter: the index of its LoRA adapter in the model's stack, 0 for none."""
 
     context: list[int]
     continuations: list[list[int]]
+    adapter: int = 0

@@ -192,10 +192,11 @@ def _indexed(i: int) -> str:
 
 
 def validate_loglikelihood(
-    context: Any, continuations: Any, model: ModelFacts
+    context: Any, continuations: Any, model: ModelFacts, adapter: Any = None
 ) -> LoglikelihoodRequest:
     """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
-    (num_classes > 0) has no next-token distribution: `no_language_model_head`.
+    (num_classes > 0) has no next-token distribution: `no_language_model_head`. adapter: one of
+    the model's LoRA adapters by name, or None (`unknown_adapter` otherwise).
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
@@ -208,6 +209,7 @@ def validate_loglikelihood(
             "log-likelihoods; use score() for its class logits",
             "context",
         )
+    adapter_at = adapter_index(adapter, model.adapters)
     text = input_kind(context, continuations, "context", "continuations", item_param=_indexed)
     for i, continuation in enumerate(continuations):
         param = f"continuations[{i}]"
@@ -249,7 +251,7 @@ def validate_loglikelihood(
                 param,
             )
         continuation_ids.append(ids)
-    return LoglikelihoodRequest(context_ids, continuation_ids)
+    return LoglikelihoodRequest(context_ids, continuation_ids, adapter_at)
 
 
 def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any, ScoreOptions]:

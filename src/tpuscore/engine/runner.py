@@ -232,21 +232,25 @@ class Engine:
         loglikelihood plans (`Capabilities.loglikelihood`), under the memory guard."""
         name = registry.loglikelihood_backend()
         backend: LoglikelihoodBackend = self.backends.get(name)
-        plan = backend.plan_loglikelihood(request.context, request.continuations)
+        plan = backend.plan_loglikelihood(
+            request.context, request.continuations, adapter=request.adapter
+        )
         scores = memory_guard.run(name, backend, plan)
         self.executables.check()
         return scores
 
     def prompt_logprobs(
-        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
+        self,
+        extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+        adapter: int = 0,
     ) -> list[list[PositionScores]]:
         """Per (context, continuations) pair, each continuation's token log-probabilities and
         the most likely tokens at each of its positions and the one after it, each context run
         once, on the backend with loglikelihood plans (its prompt log-probabilities plans),
-        under the memory guard."""
+        under the memory guard; all under LoRA adapter `adapter` (0: none)."""
         name = registry.loglikelihood_backend()
         backend: PromptLogprobsBackend = self.backends.get(name)
-        plan = backend.plan_prompt_logprobs(extensions)
+        plan = backend.plan_prompt_logprobs(extensions, adapter=adapter)
         scores = memory_guard.run(name, backend, plan)
         self.executables.check()
         return scores

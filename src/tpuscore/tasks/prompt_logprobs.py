@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.backends.contract import TOP_LOGPROBS, PositionScores
 
@@ -82,10 +83,14 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
     return checked
 
 
-def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
+def prompt_logprobs(
+    engine: Engine, prompts: Sequence[Sequence[int]], adapter: str | None = None
+) -> list[PromptLogprobs]:
     """`Scorer.prompt_logprobs`: validate, group by first token, run every group's common prefix
-    and remainders in one engine call (module doc), assemble each prompt's result."""
+    and remainders in one engine call (module doc) under the LoRA adapter named `adapter`
+    (None: the base model), assemble each prompt's result."""
     prompts = validate(engine, prompts)
+    adapter_at = validation.adapter_index(adapter, tuple(engine.model.adapter_names))
     groups: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt[0], []).append(i)
@@ -98,7 +103,7 @@ def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[Pr
             extensions.append((shared[:1], [shared[1:]]))
         extensions.append((shared, [prompt[p:] for prompt in group]))
         members_of.append((members, p))
-    scored = iter(engine.prompt_logprobs(extensions))
+    scored = iter(engine.prompt_logprobs(extensions, adapter_at))
     results: list[PromptLogprobs | None] = [None] * len(prompts)
     for members, p in members_of:
         inside = next(scored)[0] if p > 1 else None
