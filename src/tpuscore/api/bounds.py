@@ -63,12 +63,14 @@ def check_size(
     items: tuple[str, Any],
     values: Mapping[str, Any],
     num_labels: int = 0,
+    holder: str = "this server",
 ) -> None:
     """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
 
     items is (its name on the wire, its list); values the request's other texts or token-id
     lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
-    too_many_scores, input_too_long (one value), request_too_large (all of them together)."""
+    too_many_scores, input_too_long (one value), request_too_large (all of them together).
+    holder: whose bounds they are, for the message ("this server", "this scorer ...")."""
     name, entries = items
     entries = [entries] if isinstance(entries, str) else entries
     count = len(entries) if isinstance(entries, (list, tuple)) else 0
@@ -82,20 +84,20 @@ def check_size(
     if count > limits.max_items:
         raise ValidationError(
             "too_many_items",
-            f"{name} has {count} entries; this server takes at most {limits.max_items}",
+            f"{name} has {count} entries; {holder} takes at most {limits.max_items}",
             name,
         )
     if num_labels > limits.max_labels:
         raise ValidationError(
             "too_many_labels",
-            f"the request names {num_labels} labels; this server takes at most "
+            f"the request names {num_labels} labels; {holder} takes at most "
             f"{limits.max_labels} (a repeated label counts each time)",
             "labels",
         )
     if count * num_labels > limits.max_scores:
         raise ValidationError(
             "too_many_scores",
-            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; this server "
+            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; {holder} "
             f"answers at most {limits.max_scores} per request",
             name,
         )
@@ -109,15 +111,15 @@ def check_size(
             if length > limits.max_length:
                 raise ValidationError(
                     "input_too_long",
-                    f"{param} has length {length} (characters of text, or token ids); this "
-                    f"server takes at most {limits.max_length}",
+                    f"{param} has length {length} (characters of text, or token ids); "
+                    f"{holder} takes at most {limits.max_length}",
                     param,
                 )
             total += length
     if total > limits.max_total_length:
         raise ValidationError(
             "request_too_large",
-            f"the request's texts and token ids have length {total} in all; this server takes "
+            f"the request's texts and token ids have length {total} in all; {holder} takes "
             f"at most {limits.max_total_length}",
             None,
         )

@@ -8,7 +8,13 @@ import sys
 
 import attrs
 
-from tpuscore.cli.common import EnvironmentProblem, InputError, load_scorer, parse_adapters
+from tpuscore.cli.common import (
+    EnvironmentProblem,
+    InputError,
+    load_scorer,
+    parse_adapters,
+    scorer_limits,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,13 +205,14 @@ def run_replicas(args: argparse.Namespace, server) -> int:
             "profile": args.profile,
             "batch_invariant": args.batch_invariant,
             "compilation_cache_dir": cache,
+            "limits": scorer_limits(args),
             **({"adapters": parse_adapters(args.adapter)} if args.adapter else {}),
         },
         app_options={
             "model_name": args.served_model_name or server.model_name(args.model),
             "rerank_template": args.rerank_template,
             "max_body_bytes": args.max_body_bytes,
-            "max_items": args.max_items,
+            "limits": request_limits(args),
             "batcher_options": batcher_options,
             "metrics_names": args.metrics_names,
             "allowed_hosts": allowed_hosts,

@@ -30,6 +30,9 @@ from tpuscore.jobs.grouping import freeze, group_rows
 # Score options a row may carry in a column of the same name, where the job does not set them.
 ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate")
 PAIRS, REQUESTS = "pairs", "requests"
+# A request's size bounds that a query's grouped pair rows can pass together though no row
+# passes them alone: such a group is scored in parts instead.
+GROUP_TOO_LARGE = frozenset({"too_many_items", "too_many_scores", "request_too_large"})
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
 CALIBRATED = "calibrated"
@@ -347,10 +350,9 @@ def score_rows(
 
     units, prepared = [], []
     for unit in _units(layout, batch, reject):
-        ready = _prepare(scorer, unit, layout, reject)
-        if ready is not None:
-            units.append(ready[0])
-            prepared.append(ready[1])
+        for ready_unit, request in _prepare(scorer, unit, layout, reject):
+            units.append(ready_unit)
+            prepared.append(request)
     results = scorer.run(prepared, backend=backend)
 
     backends: collections.Counter = collections.Counter()
@@ -434,21 +436,29 @@ def _render(tmpl: templates.Template, layout: Layout, query: Any, items: Any) ->
     )
 
 
-def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, Any] | None:
-    """(the unit, its prepared request) without the unit's bad rows (each passed to `reject`
-    with its own error), or None when none is left. An error in an option the job set for
-    every row is the job's (`JobConfigError`)."""
+def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Unit, Any]]:
+    """(unit, prepared request) pairs that score the unit's rows but its bad ones (each passed
+    to `reject` with its own error): the unit itself, or its parts where a query's pair rows
+    are more than one request of the scorer may hold (`Scorer(limits=)`), or none. An error in
+    an option the job set for every row is the job's (`JobConfigError`)."""
     try:
-        return unit, scorer.prepare(**unit.request)
+        return [(unit, scorer.prepare(**unit.request))]
     except ValidationError as e:
         error = e
+    if error.code in GROUP_TOO_LARGE and len(unit.rows) > 1:
+        half, items = len(unit.rows) // 2, unit.request["items"]
+        parts = [
+            _Unit(rows, {**unit.request, "items": part})
+            for rows, part in ((unit.rows[:half], items[:half]), (unit.rows[half:], items[half:]))
+        ]
+        return [ready for part in parts for ready in _prepare(scorer, part, layout, reject)]
     name = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
     if name in layout.options:
         raise JobConfigError(error.code, str(error), error.param)
     if len(unit.rows) == 1 or name != "items":
         for row in unit.rows:
             reject(row, error)
-        return None
+        return []
     # A query's pair rows: each item prepared on its own finds the bad ones.
     good = []
     for k, item in enumerate(unit.request["items"]):
@@ -460,9 +470,9 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, A
     if len(good) == len(unit.rows):  # no item is bad alone: the error is the request's
         for row in unit.rows:
             reject(row, error)
-        return None
+        return []
     if not good:
-        return None
+        return []
     request = {**unit.request, "items": [unit.request["items"][k] for k in good]}
     return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject)
 

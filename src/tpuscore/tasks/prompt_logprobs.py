@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from tpuscore.api import validation
+from tpuscore.api import bounds, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.backends.contract import TOP_LOGPROBS, PositionScores
 
@@ -60,6 +60,9 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
             "a classification model has no next-token probabilities to report",
             param,
         )
+    bounds.check_size(
+        engine.facts.limits, items=(param, prompts), values={}, holder=validation.SCORER_BOUNDS
+    )
     checked = []
     for i, prompt in enumerate(prompts):
         where = f"{param}[{i}]" if len(prompts) > 1 else param
