@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "--rerank-template",
         default="plain",
-        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
+        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain); "
+        "none: no rerank endpoints (they answer 404 rerank_not_configured), for a model whose "
+        "tokenizer does not make the templates' labels single tokens: /v1/score only",
     )
     add(
         "--score-calibration",
