@@ -208,6 +208,7 @@ def run_replicas(args: argparse.Namespace, server) -> int:
             "batch_invariant": args.batch_invariant,
             "compilation_cache_dir": cache,
             "limits": scorer_limits(args),
+            "score_calibration": args.score_calibration,
             **({"adapters": parse_adapters(args.adapter)} if args.adapter else {}),
         },
         app_options={
