@@ -64,19 +64,23 @@ def check_size(
     values: Mapping[str, Any],
     num_labels: int = 0,
     holder: str = "this server",
+    check_ids: bool = True,
 ) -> None:
     """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
 
     items is (its name on the wire, its list); values the request's other texts or token-id
     lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
     too_many_scores, input_too_long (one value), request_too_large (all of them together).
-    holder: whose bounds they are, for the message ("this server", "this scorer ...")."""
+    holder: whose bounds they are, for the message ("this server", "this scorer ...").
+    check_ids: refuse an item list holding other than ints first (a server's 400 before its
+    413); off where validation checks every token id after (the library's own pass, which a
+    per-token check here would make several times slower)."""
     name, entries = items
     entries = [entries] if isinstance(entries, str) else entries
     count = len(entries) if isinstance(entries, (list, tuple)) else 0
     # A malformed token-id list is refused as such (400) before a bound (413): one pass over
     # what the body already holds.
-    for i, entry in enumerate(entries if count else ()):
+    for i, entry in enumerate(entries if count and check_ids else ()):
         if isinstance(entry, list) and not all(is_token_id(t) for t in entry):
             raise ValidationError(
                 "invalid_items", f"{name}[{i}] must hold token ids (ints)", f"{name}[{i}]"

@@ -77,6 +77,7 @@ def check_request_size(query: Any, items: Any, options: ScoreOptions, model: Mod
         },
         num_labels=labels,
         holder=SCORER_BOUNDS,
+        check_ids=False,
     )
 
 
@@ -246,6 +247,7 @@ def validate_loglikelihood(
         items=("continuations", continuations),
         values={"context": context},
         holder=SCORER_BOUNDS,
+        check_ids=False,
     )
     text = input_kind(context, continuations, "context", "continuations", item_param=_indexed)
     for i, continuation in enumerate(continuations):
