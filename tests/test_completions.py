@@ -9,6 +9,7 @@ import pytest
 
 from helpers import ServerThread, random_tokens
 from tpuscore.api import templates
+from tpuscore.api.errors import ValidationError
 from tpuscore.backends import registry
 from tpuscore.serving import app as server
 
@@ -86,7 +87,9 @@ def test_prompts_sharing_a_prefix_share_it_and_equal_each_alone(scorer, rng, mon
     prefixes = []
     query_prefix = backend.query_prefix
     monkeypatch.setattr(
-        backend, "query_prefix", lambda q: prefixes.append(len(q)) or query_prefix(q)
+        backend,
+        "query_prefix",
+        lambda q, adapter=0: prefixes.append(len(q)) or query_prefix(q, adapter),
     )
     together = scorer.prompt_logprobs(prompts)
     assert sorted(prefixes) == [1, 6]  # the first token once, the common prefix once
@@ -129,3 +132,22 @@ def test_what_needs_generation_or_is_malformed_is_refused(client, body, code, pa
     assert error["code"] == 400
     if code == "generation_unsupported":
         assert "does not" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "prompts, param",
+    [
+        ([["a"]], "prompt"),
+        ([[1.5]], "prompt"),
+        ([[True, 2]], "prompt"),
+        ([[1], [2, None]], "prompt[1]"),
+        ("abc", "prompt"),
+        ([None], "prompt"),
+        (5, "prompt"),
+    ],
+)
+def test_the_library_refuses_what_is_not_token_ids_with_a_typed_error(scorer, prompts, param):
+    """`Scorer.prompt_logprobs` as the endpoint refuses it: no TypeError, no 1.5 read as 1."""
+    with pytest.raises(ValidationError) as e:
+        scorer.prompt_logprobs(prompts)
+    assert (e.value.code, e.value.param) == ("invalid_prompt", param)

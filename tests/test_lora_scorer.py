@@ -240,7 +240,7 @@ def test_an_unknown_model_is_not_found_in_the_dialects_shape(client, path, body)
 
 def test_rerank_and_vllm_score_take_the_adapter(client, lora):
     """Cohere/Jina's /v1/rerank and vLLM's /score under an adapter: the same relevance, and not
-    the base's; /v1/completions refuses an adapter (prompt log-probabilities are base-only)."""
+    the base's."""
     docs = ["b c", "d"]
     base = client.post("/v1/rerank", json={"query": "a", "documents": docs}).json()
     tuned = client.post("/v1/rerank", json={"query": "a", "documents": docs, "model": "rslora"})
@@ -252,6 +252,3 @@ def test_rerank_and_vllm_score_take_the_adapter(client, lora):
         assert d["score"] == pytest.approx(by_index[d["index"]], abs=1e-6)
     base_scores = {r["index"]: r["relevance_score"] for r in base["results"]}
     assert max(abs(by_index[i] - base_scores[i]) for i in by_index) > 1e-4
-    body = {"prompt": [1, 2], "max_tokens": 0, "echo": True, "logprobs": 1, "model": "rslora"}
-    refused = client.post("/v1/completions", json=body)
-    assert refused.status_code == 400 and refused.headers["x-error-code"] == "adapter_unsupported"

@@ -248,8 +248,12 @@ def test_serve_replicas_builds_the_app(monkeypatch, checkpoint_dir):
     monkeypatch.setattr(serve, "run", lambda app, **kw: calls.setdefault("run", kw))
     model = str(checkpoint_dir(CASE))
     argv = ["serve", "--model", model, "--port", "0", "--replicas", "2", "--max-replicas", "4"]
-    assert cli.main([*argv, "--metrics-names", "vllm", "--timeout-keep-alive", "90"]) == 0
+    flags = ["--metrics-names", "vllm", "--timeout-keep-alive", "90", "--max-labels", "9"]
+    assert cli.main([*argv, *flags, "--score-calibration", "cal.json"]) == 0
     (path,), options = calls["app"]
+    # Every replica's scorer and app get the flags a one-process server would.
+    assert options["scorer_options"]["score_calibration"] == "cal.json"
+    assert options["app_options"]["limits"].max_labels == 9
     assert path == model
     assert (options["num_replicas"], options["max_replicas"]) == (2, 4)
     assert options["app_options"]["metrics_names"] == "vllm"

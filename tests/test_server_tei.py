@@ -177,7 +177,7 @@ def test_tei_and_other_shapes_told_apart(client, scorer):  # noqa: F811
             "texts",
         ),
         ("/tokenize", {"inputs": "a", "prompt": "a"}, "ambiguous_request", "inputs"),
-        ("/rerank", {"query": "q", "texts": []}, "invalid_argument", "texts"),
+        ("/rerank", {"query": "q", "texts": []}, "empty_documents", "texts"),
         ("/rerank", {"query": "q", "texts": "a"}, "invalid_argument", "texts"),
         ("/rerank", {"query": "q", "texts": ["a"], "top_n": 1}, "unknown_field", "top_n"),
         (

@@ -14,7 +14,7 @@ import tokenizers
 
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.api.templates import Template
 from tpuscore.backends import registry
@@ -63,6 +63,7 @@ class Scorer:
         mesh: jax.sharding.Mesh | None = None, devices: Sequence[jax.Device] | None = None,
         batch_invariant: bool = False, score_calibration: str | os.PathLike | None = None,
         executables_guard: executables.Guard | None = None, adapters: Adapters | None = None,
+        limits: RequestLimits | Mapping[str, int] | None = None,
     ) -> Scorer:  # fmt: skip
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
@@ -76,6 +77,7 @@ class Scorer:
             backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
             batch_invariant=batch_invariant, executables_guard=executables_guard,
             score_calibration=score_calibration, model_name=loaders.model_name(model),
+            limits=limits,
         )  # fmt: skip
 
     def save(self, path: str | os.PathLike) -> None:
@@ -155,14 +157,21 @@ class Scorer:
         )  # fmt: skip
 
     def loglikelihood(
-        self, context: Query, continuations: Items, *, backend: str | None = None
-    ) -> list[LoglikelihoodResult]:
-        """log P(continuation | context) per continuation, as lm-evaluation-harness scores it."""
-        return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend)
+        self, context: Query, continuations: Items, *, backend: str | None = None,
+        adapter: str | None = None,
+    ) -> list[LoglikelihoodResult]:  # fmt: skip
+        """log P(continuation | context) per continuation, as lm-evaluation-harness scores it;
+        `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
+        return loglikelihood.loglikelihood(
+            self.engine, context, continuations, backend=backend, adapter=adapter
+        )
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
-        """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md)."""
-        return prompt_logprobs.prompt_logprobs(self.engine, prompts)
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], *, adapter: str | None = None
+    ) -> list[PromptLogprobs]:
+        """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md);
+        `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
+        return prompt_logprobs.prompt_logprobs(self.engine, prompts, adapter)
 
     def warmup(
         self, geometries: Sequence[Sequence[int]] | None = None, *,
@@ -194,3 +203,4 @@ class Scorer:
         doc="A `Calibration` (docs/calibration.md), or None.",
     )
     adapters = _engine_attribute("model.adapter_names", "LoRA adapters, in load order.", list)
+    limits = _engine_attribute("limits", "How large one request may be (`RequestLimits`).")

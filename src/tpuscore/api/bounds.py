@@ -63,18 +63,24 @@ def check_size(
     items: tuple[str, Any],
     values: Mapping[str, Any],
     num_labels: int = 0,
+    holder: str = "this server",
+    check_ids: bool = True,
 ) -> None:
     """Refuse a request larger than `limits`, by its lengths as sent: no tokenization, no copy.
 
     items is (its name on the wire, its list); values the request's other texts or token-id
     lists by name (query, labels, suffix, instruction). Codes: too_many_items, too_many_labels,
-    too_many_scores, input_too_long (one value), request_too_large (all of them together)."""
+    too_many_scores, input_too_long (one value), request_too_large (all of them together).
+    holder: whose bounds they are, for the message ("this server", "this scorer ...").
+    check_ids: refuse an item list holding other than ints first (a server's 400 before its
+    413); off where validation checks every token id after (the library's own pass, which a
+    per-token check here would make several times slower)."""
     name, entries = items
     entries = [entries] if isinstance(entries, str) else entries
     count = len(entries) if isinstance(entries, (list, tuple)) else 0
     # A malformed token-id list is refused as such (400) before a bound (413): one pass over
     # what the body already holds.
-    for i, entry in enumerate(entries if count else ()):
+    for i, entry in enumerate(entries if count and check_ids else ()):
         if isinstance(entry, list) and not all(is_token_id(t) for t in entry):
             raise ValidationError(
                 "invalid_items", f"{name}[{i}] must hold token ids (ints)", f"{name}[{i}]"
@@ -82,20 +88,20 @@ def check_size(
     if count > limits.max_items:
         raise ValidationError(
             "too_many_items",
-            f"{name} has {count} entries; this server takes at most {limits.max_items}",
+            f"{name} has {count} entries; {holder} takes at most {limits.max_items}",
             name,
         )
     if num_labels > limits.max_labels:
         raise ValidationError(
             "too_many_labels",
-            f"the request names {num_labels} labels; this server takes at most "
+            f"the request names {num_labels} labels; {holder} takes at most "
             f"{limits.max_labels} (a repeated label counts each time)",
             "labels",
         )
     if count * num_labels > limits.max_scores:
         raise ValidationError(
             "too_many_scores",
-            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; this server "
+            f"{count} {name} x {num_labels} labels is {count * num_labels} scores; {holder} "
             f"answers at most {limits.max_scores} per request",
             name,
         )
@@ -109,15 +115,15 @@ def check_size(
             if length > limits.max_length:
                 raise ValidationError(
                     "input_too_long",
-                    f"{param} has length {length} (characters of text, or token ids); this "
-                    f"server takes at most {limits.max_length}",
+                    f"{param} has length {length} (characters of text, or token ids); "
+                    f"{holder} takes at most {limits.max_length}",
                     param,
                 )
             total += length
     if total > limits.max_total_length:
         raise ValidationError(
             "request_too_large",
-            f"the request's texts and token ids have length {total} in all; this server takes "
+            f"the request's texts and token ids have length {total} in all; {holder} takes "
             f"at most {limits.max_total_length}",
             None,
         )

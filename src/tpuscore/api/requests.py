@@ -132,6 +132,49 @@ class RequestLimits:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in attrs.fields(cls))
 
+    @classmethod
+    def of(cls, value: RequestLimits | Mapping[str, int] | None) -> RequestLimits:
+        """`value` as RequestLimits: itself, the library's (None), or LIBRARY_LIMITS with the
+        mapping's fields replaced; a bad value is `invalid_argument` at param `limits`."""
+        if value is None:
+            return LIBRARY_LIMITS
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValidationError(
+                "invalid_argument",
+                f"limits must be a RequestLimits or a mapping of its fields, got {short(value)}",
+                "limits",
+            )
+        unknown = sorted(set(value) - set(cls.names()))
+        if unknown:
+            raise ValidationError(
+                "invalid_argument",
+                f"limits has no field {short(unknown[0])}; its fields are {', '.join(cls.names())}",
+                "limits",
+            )
+        try:
+            return attrs.evolve(LIBRARY_LIMITS, **value)
+        except ValueError as e:
+            raise ValidationError("invalid_argument", f"limits: {e}", "limits") from None
+
+    def widened(self, other: RequestLimits) -> RequestLimits:
+        """Each bound the larger of this one's and other's."""
+        return RequestLimits(**{n: max(getattr(self, n), getattr(other, n)) for n in self.names()})
+
+
+# A library call's bounds (`Scorer(limits=)`, docs/api.md#size-bounds): far above a server's
+# defaults, which take requests from strangers, but finite, so one call cannot take memory
+# without limit (a request's scores alone are max_scores float32s: 64 MiB).
+LIBRARY_LIMITS = RequestLimits(
+    max_items=1 << 16,
+    max_labels=1 << 12,
+    max_scores=1 << 24,
+    max_length=1 << 22,
+    max_total_length=1 << 26,
+    max_queries=1 << 10,
+)
+
 
 # A score request's arguments: the query and items (required), then its options.
 SCORE_ARGUMENTS = ("query", "items", *ScoreOptions.names())
@@ -155,7 +198,8 @@ class ScoreRequest:
 @attrs.frozen
 class LoglikelihoodRequest:
     """A validated `Scorer.loglikelihood` call as token ids: a non-empty context and non-empty
-    continuations."""
+    continuations; adapter: the index of its LoRA adapter in the model's stack, 0 for none."""
 
     context: list[int]
     continuations: list[list[int]]
+    adapter: int = 0

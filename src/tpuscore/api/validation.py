@@ -26,10 +26,19 @@ from tpuscore.api.argument_checks import (
     token_ids,
     truncate_item,
 )
-from tpuscore.api.bounds import check_text
+from tpuscore.api.bounds import check_size, check_text, label_count
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
-from tpuscore.api.requests import LoglikelihoodRequest, ScoreOptions, ScoreRequest
+from tpuscore.api.requests import (
+    LIBRARY_LIMITS,
+    LoglikelihoodRequest,
+    RequestLimits,
+    ScoreOptions,
+    ScoreRequest,
+)
+
+# Whose bounds a library call meets, for the message of a refusal.
+SCORER_BOUNDS = "this scorer (Scorer(limits=...) sets its bounds)"
 
 
 @attrs.frozen
@@ -39,7 +48,8 @@ class ModelFacts:
     num_classes > 0: the model has a classification head with that many classes; it takes no
     labels and scores every class. pad_token_id: that model's padding token, which moves the
     pooled token as transformers moves it (`_pooled`). adapters: the names of the model's LoRA
-    adapters, in stack order (a request's `adapter` is one of them, or None).
+    adapters, in stack order (a request's `adapter` is one of them, or None). limits: how large
+    one request may be, checked before anything is tokenized (`check_request_size`).
     """
 
     tokenizer: tokenizers.Tokenizer | None
@@ -48,11 +58,33 @@ class ModelFacts:
     num_classes: int = 0
     pad_token_id: int | None = None
     adapters: tuple[str, ...] = ()
+    limits: RequestLimits = LIBRARY_LIMITS
+
+
+def check_request_size(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -> None:
+    """Refuse a score request past the model's `RequestLimits`, by its lengths as given (the
+    server's own, usually smaller, bounds were checked before): too_many_items, too_many_labels,
+    too_many_scores, input_too_long, request_too_large."""
+    labels = label_count(options.labels, options.label_token_ids) or model.num_classes
+    check_size(
+        model.limits,
+        items=("items", items),
+        values={
+            "query": query,
+            "labels": options.labels,
+            "label_token_ids": options.label_token_ids,
+            "item_suffix": options.item_suffix,
+        },
+        num_labels=labels,
+        holder=SCORER_BOUNDS,
+        check_ids=False,
+    )
 
 
 def validate(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -> ScoreRequest:
     """Check a `Scorer.score` call (its query, items and `ScoreOptions`) for `model` and turn it
     into token ids."""
+    check_request_size(query, items, options, model)
     tokenizer, vocab_size, num_classes = model.tokenizer, model.vocab_size, model.num_classes
     adapter = adapter_index(options.adapter, model.adapters)
     check_bool(options.apply_softmax, "apply_softmax")
@@ -192,10 +224,11 @@ def _indexed(i: int) -> str:
 
 
 def validate_loglikelihood(
-    context: Any, continuations: Any, model: ModelFacts
+    context: Any, continuations: Any, model: ModelFacts, adapter: Any = None
 ) -> LoglikelihoodRequest:
     """Check a `Scorer.loglikelihood` call and turn it into token ids. A classification model
-    (num_classes > 0) has no next-token distribution: `no_language_model_head`.
+    (num_classes > 0) has no next-token distribution: `no_language_model_head`. adapter: one of
+    the model's LoRA adapters by name, or None (`unknown_adapter` otherwise).
 
     Text follows lm-evaluation-harness: the context's trailing whitespace moves to the front of
     every continuation, then the context is encoded with special tokens and each continuation
@@ -208,6 +241,14 @@ def validate_loglikelihood(
             "log-likelihoods; use score() for its class logits",
             "context",
         )
+    adapter_at = adapter_index(adapter, model.adapters)
+    check_size(
+        model.limits,
+        items=("continuations", continuations),
+        values={"context": context},
+        holder=SCORER_BOUNDS,
+        check_ids=False,
+    )
     text = input_kind(context, continuations, "context", "continuations", item_param=_indexed)
     for i, continuation in enumerate(continuations):
         param = f"continuations[{i}]"
@@ -249,7 +290,7 @@ def validate_loglikelihood(
                 param,
             )
         continuation_ids.append(ids)
-    return LoglikelihoodRequest(context_ids, continuation_ids)
+    return LoglikelihoodRequest(context_ids, continuation_ids, adapter_at)
 
 
 def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any, ScoreOptions]:

@@ -276,7 +276,7 @@ class LoglikelihoodBackend(Backend, Protocol):
     returns one `ContinuationScores` per continuation."""
 
     def plan_loglikelihood(
-        self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+        self, context: Sequence[int], continuations: Sequence[Sequence[int]], adapter: int = 0
     ) -> Plan: ...
 
 
@@ -286,7 +286,7 @@ class PromptLogprobsBackend(Backend, Protocol):
     continuation."""
 
     def plan_prompt_logprobs(
-        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
+        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], adapter: int = 0
     ) -> Plan: ...
 
 

@@ -35,6 +35,7 @@ def load_scorer(args: argparse.Namespace):
             batch_invariant=args.batch_invariant,
             score_calibration=getattr(args, "score_calibration", None),
             adapters=parse_adapters(getattr(args, "adapter", None)),
+            limits=scorer_limits(args),
         )
     except ValidationError as e:
         flag = f"--backend {args.backend}"
@@ -46,6 +47,21 @@ def load_scorer(args: argparse.Namespace):
     except Exception as e:  # noqa: BLE001 (any load failure goes back to the --model given)
         name = "the default model" if args.model is None else repr(args.model)
         raise InputError(f"cannot load {name}: {type(e).__name__}: {e}") from None
+
+
+def scorer_limits(args: argparse.Namespace):
+    """The scorer's request bounds under a server's --max-items, --max-labels, ... flags: the
+    library's, raised to the flags where those are larger (the server checks its own first);
+    None (the library's) for a command without them."""
+    from tpuscore.api.requests import LIBRARY_LIMITS, RequestLimits
+
+    if not all(hasattr(args, name) for name in RequestLimits.names()):
+        return None
+    try:
+        flags = RequestLimits(**{name: getattr(args, name) for name in RequestLimits.names()})
+    except ValueError as e:
+        raise InputError(f"--{str(e).replace('_', '-')}") from None
+    return LIBRARY_LIMITS.widened(flags)
 
 
 def parse_adapters(values: list[str] | None) -> dict[str, str] | None:

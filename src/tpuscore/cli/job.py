@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="skip",
         help="skip (default): write a bad row to OUTPUT.errors.jsonl and go on; fail: stop",
     )
+    add(
+        "--score-calibration",
+        metavar="PATH",
+        help="a tpuscore fit-calibration file fitted for this model, template and labels: the "
+        "output also has a calibrated column, and a resume must name the same file",
+    )
     add("--shard-rows", type=int, default=4096, help="input rows per shard (default 4096)")
     add("--overwrite", action="store_true", help="start again instead of resuming OUTPUT")
     add("--progress", action="store_true", help="a progress bar even when stderr is no terminal")
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise EnvironmentProblem(
             f"tpuscore job needs the jobs extra ({e.name} is missing): pip install -e '.[jobs]'"
         ) from None
+    from tpuscore.api.calibration import CalibrationMismatch
     from tpuscore.engine import compilation_cache
 
     settings = {
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 profile=args.profile,
                 compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
                 batch_invariant=args.batch_invariant,
+                score_calibration=args.score_calibration,
             )
         except (ValidationError, InputError):
             raise
@@ -89,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
             **settings,
         )
     except ValidationError as e:
-        raise InputError(validation_message(e)) from None
+        # a calibration refused, or a file that is not one: named by its flag, as serve does
+        flag = isinstance(e, CalibrationMismatch) or e.param == "score_calibration"
+        raise InputError(f"{'--score-calibration: ' * flag}{validation_message(e)}") from None
     except (jobs.TableError, jobs.RowFailed) as e:
         raise InputError(str(e)) from None
     except KeyboardInterrupt:

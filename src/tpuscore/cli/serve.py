@@ -8,7 +8,13 @@ import sys
 
 import attrs
 
-from tpuscore.cli.common import EnvironmentProblem, InputError, load_scorer, parse_adapters
+from tpuscore.cli.common import (
+    EnvironmentProblem,
+    InputError,
+    load_scorer,
+    parse_adapters,
+    scorer_limits,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "--rerank-template",
         default="plain",
-        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain)",
+        help="prompt template of the rerank endpoints: plain or qwen3-reranker (default: plain); "
+        "none: no rerank endpoints (they answer 404 rerank_not_configured), for a model whose "
+        "tokenizer does not make the templates' labels single tokens: /v1/score only",
     )
     add(
         "--score-calibration",
@@ -199,13 +207,15 @@ def run_replicas(args: argparse.Namespace, server) -> int:
             "profile": args.profile,
             "batch_invariant": args.batch_invariant,
             "compilation_cache_dir": cache,
+            "limits": scorer_limits(args),
+            "score_calibration": args.score_calibration,
             **({"adapters": parse_adapters(args.adapter)} if args.adapter else {}),
         },
         app_options={
             "model_name": args.served_model_name or server.model_name(args.model),
             "rerank_template": args.rerank_template,
             "max_body_bytes": args.max_body_bytes,
-            "max_items": args.max_items,
+            "limits": request_limits(args),
             "batcher_options": batcher_options,
             "metrics_names": args.metrics_names,
             "allowed_hosts": allowed_hosts,

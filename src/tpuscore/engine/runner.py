@@ -18,7 +18,12 @@ import tokenizers
 
 from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import LoglikelihoodRequest, ScoreOptions, ScoreRequest
+from tpuscore.api.requests import (
+    LoglikelihoodRequest,
+    RequestLimits,
+    ScoreOptions,
+    ScoreRequest,
+)
 from tpuscore.api.results import ScoreResult
 from tpuscore.backends import registry
 from tpuscore.backends.contract import (
@@ -66,6 +71,10 @@ class Engine:
         score_calibration: a `tpuscore fit-calibration` file fitted for this model, refused
             otherwise; `run`'s results then carry `calibrated` where it covers them
             (docs/calibration.md).
+        limits: how large one request may be (`RequestLimits`, or a mapping of the fields to
+            change in `LIBRARY_LIMITS`; default `LIBRARY_LIMITS`), checked on every request
+            before it is tokenized: past a bound is a `ValidationError` with the server's size
+            codes (docs/api.md#size-bounds).
     """
 
     def __init__(
@@ -81,8 +90,10 @@ class Engine:
         executables_guard: executables.Guard | None = None,
         model_name: str = default_model.NAME,
         score_calibration: str | os.PathLike | None = None,
+        limits: RequestLimits | Mapping[str, int] | None = None,
     ):
         self.model = model
+        self.limits = RequestLimits.of(limits)
         self.model_name = model_name
         self.score_calibration = calibration.load(score_calibration, model)
         self.tokenizer = tokenizer
@@ -130,6 +141,7 @@ class Engine:
             config.num_labels,
             config.pad_token_id,
             self.model.adapter_names,
+            self.limits,
         )
 
     def prepare_request(
@@ -232,21 +244,25 @@ class Engine:
         loglikelihood plans (`Capabilities.loglikelihood`), under the memory guard."""
         name = registry.loglikelihood_backend()
         backend: LoglikelihoodBackend = self.backends.get(name)
-        plan = backend.plan_loglikelihood(request.context, request.continuations)
+        plan = backend.plan_loglikelihood(
+            request.context, request.continuations, adapter=request.adapter
+        )
         scores = memory_guard.run(name, backend, plan)
         self.executables.check()
         return scores
 
     def prompt_logprobs(
-        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
+        self,
+        extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+        adapter: int = 0,
     ) -> list[list[PositionScores]]:
         """Per (context, continuations) pair, each continuation's token log-probabilities and
         the most likely tokens at each of its positions and the one after it, each context run
         once, on the backend with loglikelihood plans (its prompt log-probabilities plans),
-        under the memory guard."""
+        under the memory guard; all under LoRA adapter `adapter` (0: none)."""
         name = registry.loglikelihood_backend()
         backend: PromptLogprobsBackend = self.backends.get(name)
-        plan = backend.plan_prompt_logprobs(extensions)
+        plan = backend.plan_prompt_logprobs(extensions, adapter=adapter)
         scores = memory_guard.run(name, backend, plan)
         self.executables.check()
         return scores

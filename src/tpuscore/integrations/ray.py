@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tpuscore.jobs import Spec, classes_of, load_scorer, score_rows
+from tpuscore.jobs import Spec, calibrated, classes_of, load_scorer, score_rows
 
 
 class ScoreRows:
@@ -34,6 +34,9 @@ class ScoreRows:
             be readable from every node: a shared filesystem, or a hub id each node downloads).
         backend: the backend of every `score_batch` call (default auto).
         scorer_options: more `Scorer.from_pretrained` arguments (mesh, profile, ...).
+        score_calibration: a `tpuscore fit-calibration` file fitted for the model (refused,
+            `CalibrationMismatch`, otherwise): the rows also get a `calibrated` column, as
+            `tpuscore job --score-calibration` writes it (docs/jobs.md).
         **spec: `tpuscore.jobs.Spec`'s fields: query_column, item_column, id_columns, labels,
             label_token_ids, template, instruction, item_suffix, max_item_tokens, truncate,
             item_first.
@@ -46,13 +49,18 @@ class ScoreRows:
         dtype: str | None = None,
         backend: str | None = None,
         scorer_options: dict[str, Any] | None = None,
+        score_calibration: str | os.PathLike | None = None,
         **spec: Any,
     ):
         self.spec = Spec(**spec)
         self.spec.options()  # a bad setting fails here, before the model loads
-        self.scorer = load_scorer(model, dtype=dtype, **(scorer_options or {}))
+        options = dict(scorer_options or {})
+        if score_calibration is not None:
+            options["score_calibration"] = score_calibration
+        self.scorer = load_scorer(model, dtype=dtype, **options)
         self.classes = classes_of(self.scorer)
         self.spec.options(self.classes is not None)  # labels given to a classification model
+        self.calibrated = self.scorer.score_calibration is not None
         self.backend = backend
 
     def __call__(self, batch: Any) -> Any:
@@ -65,7 +73,8 @@ class ScoreRows:
             table = batch
         else:
             kind, table = "pandas", pa.Table.from_pandas(batch, preserve_index=False)
-        layout = self.spec.layout(table.schema, self.classes)
+        layout = self.spec.layout(table.schema, self.classes, self.calibrated)
+        calibrated.checked(self.scorer, layout)  # another template or labels: the dataset fails
         scored = score_rows(self.scorer, layout, table, backend=self.backend)
         codes: list[str | None] = [None] * table.num_rows
         messages: list[str | None] = [None] * table.num_rows

@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 import pyarrow as pa
 
-from tpuscore.jobs import fingerprints, locking, schemas, shards
+from tpuscore.api.calibration import Calibration
+from tpuscore.jobs import calibrated, fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
 from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
@@ -105,6 +106,7 @@ def score_table(
     output_format: str | None = None,
     overwrite: bool = False,
     show_progress: bool = False,
+    score_calibration: str | os.PathLike | None = None,
 ) -> JobSummary:
     """Score every row of a table and write the scores as a table, resuming an interrupted run.
 
@@ -130,6 +132,12 @@ def score_table(
             name's suffix.
         overwrite: delete an existing output first instead of resuming it.
         show_progress: a tqdm bar over the rows on stderr.
+        score_calibration: a `tpuscore fit-calibration` file that `load_scorer` loads with the
+            model (refused, `CalibrationMismatch`, if fitted for another); with a `scorer`, set
+            it on the scorer instead. When the scorer has a calibration, the output has a
+            `calibrated` column (docs/jobs.md), the calibration must have been fitted under the
+            job's template and for its labels, and the manifest records it: a resume under
+            another calibration, or none, is refused.
 
     Returns:
         A `JobSummary`.
@@ -137,6 +145,8 @@ def score_table(
     Raises:
         JobConfigError (a `ValidationError`): a setting every row would fail on, a missing
             column, or an output that is not a job's (`output_exists`).
+        CalibrationMismatch (a `ValidationError`, `calibration_mismatch`): a score calibration
+            fitted for another model, template or labels.
         ResumeRefused (a `JobConfigError`, `output_mismatch`): an output written from another
             input, model or settings; `changed` says what differs.
         OutputLocked (a `JobConfigError`, `output_locked`): another job is writing the output
@@ -171,8 +181,18 @@ def score_table(
     layout = spec.layout(table.schema)  # a bad column or setting fails before the model loads
     out_format = _output_format(output, output_format)
     if scorer is None:
-        scorer = load_scorer(model, dtype=dtype)
-    layout = spec.layout(table.schema, classes_of(scorer))
+        scorer = load_scorer(model, dtype=dtype, score_calibration=score_calibration)
+    elif score_calibration is not None:
+        raise JobConfigError(
+            "invalid_argument",
+            "score_calibration is loaded with the model; with a scorer given, load it there "
+            "(Scorer.from_pretrained(..., score_calibration=) or scorer.score_calibration)",
+            "score_calibration",
+        )
+    layout = spec.layout(
+        table.schema, classes_of(scorer), calibrated=scorer.score_calibration is not None
+    )
+    fitted: Calibration | None = calibrated.checked(scorer, layout)
     in_fs, in_path = filesystem(input)
     settings = _jsonable(
         {
@@ -186,6 +206,7 @@ def score_table(
             "model": fingerprints.of_model(scorer),
             "backend": backend,
         }
+        | calibrated.setting(fitted)
     )
     fs, path = filesystem(output)
     with locking.hold(fs, f"{path.rstrip('/')}.lock", output):

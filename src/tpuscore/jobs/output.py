@@ -32,7 +32,8 @@ class ResumeRefused(JobConfigError):
         more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
         super().__init__(
             "output_mismatch",
-            f"{output} holds a job run on another input, model or settings ({said}{more}); "
+            f"{output} holds a job run on another input, model, score calibration or settings "
+            f"({said}{more}); "
             "re-run with the same ones to resume, or pass overwrite to start again",
             "output",
         )

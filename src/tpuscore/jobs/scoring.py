@@ -30,6 +30,12 @@ from tpuscore.jobs.grouping import freeze, group_rows
 # Score options a row may carry in a column of the same name, where the job does not set them.
 ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate")
 PAIRS, REQUESTS = "pairs", "requests"
+# A request's size bounds that a query's grouped pair rows can pass together though no row
+# passes them alone: such a group is scored in parts instead.
+GROUP_TOO_LARGE = frozenset({"too_many_items", "too_many_scores", "request_too_large"})
+# The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
+# `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
+CALIBRATED = "calibrated"
 
 
 class JobConfigError(ValidationError):
@@ -144,10 +150,13 @@ class Spec:
             options["item_first"] = True
         return options
 
-    def layout(self, schema: pa.Schema, classes: Sequence[str] | None = None) -> Layout:
+    def layout(
+        self, schema: pa.Schema, classes: Sequence[str] | None = None, calibrated: bool = False
+    ) -> Layout:
         """How this spec reads a table of `schema`, for a causal LM or (`classes`: its class
-        names, `classes_of(scorer)`) a classification model; a missing column or a bad setting
-        raises `JobConfigError`."""
+        names, `classes_of(scorer)`) a classification model, with a `calibrated` column where
+        the scorer has a score calibration; a missing column or a bad setting raises
+        `JobConfigError`."""
         classification = classes is not None
         options = self.options(classification)
         names = schema.names
@@ -185,6 +194,7 @@ class Spec:
             classification=classification,
             template=self.template,
             instruction=self.instruction,
+            calibrated=calibrated,
         )
         _refuse_collisions(layout)
         return layout
@@ -253,6 +263,7 @@ class Layout:
     template: str | None
     instruction: str | None
     classification: bool = False
+    calibrated: bool = False  # a `calibrated` column after the scores
 
     @property
     def kinds(self) -> tuple[str, str]:
@@ -269,18 +280,20 @@ class Layout:
     def score_columns(self) -> list[str]:
         """The output's score columns, in order."""
         if self.label_names is None:
-            return [f"{kind}s" for kind in self.kinds]
-        return [f"{kind}_{name}" for kind in self.kinds for name in self.label_names]
+            columns = [f"{kind}s" for kind in self.kinds]
+        else:
+            columns = [f"{kind}_{name}" for kind in self.kinds for name in self.label_names]
+        return [*columns, CALIBRATED] if self.calibrated else columns
 
     def score_schema(self) -> pa.Schema:
         """The score columns' names and types: float32 per (pair row, label), a list of them
-        per item for request rows, and one more list level for labels per row."""
-        t = pa.float32()
-        if self.shape == REQUESTS:
-            t = pa.list_(t)
-        if self.label_names is None:
-            t = pa.list_(t)
-        return pa.schema([(name, t) for name in self.score_columns()])
+        per item for request rows, and one more list level for labels per row; `calibrated`
+        is one float32 per item (pair row), a list of them per request row."""
+        per_item = pa.list_(pa.float32()) if self.shape == REQUESTS else pa.float32()
+        t = per_item if self.label_names is not None else pa.list_(per_item)
+        return pa.schema(
+            [(name, per_item if name == CALIBRATED else t) for name in self.score_columns()]
+        )
 
 
 @attrs.frozen
@@ -337,21 +350,24 @@ def score_rows(
 
     units, prepared = [], []
     for unit in _units(layout, batch, reject):
-        ready = _prepare(scorer, unit, layout, reject)
-        if ready is not None:
-            units.append(ready[0])
-            prepared.append(ready[1])
+        for ready_unit, request in _prepare(scorer, unit, layout, reject):
+            units.append(ready_unit)
+            prepared.append(request)
     results = scorer.run(prepared, backend=backend)
 
     backends: collections.Counter = collections.Counter()
-    per_row: list[Any] = [None] * n  # per row: (raw, scores), [labels] or [items, labels]
+    # per row: (raw, scores, calibrated), [labels], [labels] and a float (None: not covered),
+    # or [items, labels], [items, labels] and [items]
+    per_row: list[Any] = [None] * n
     for unit, result in zip(units, results, strict=True):
         backends[result.backend] += len(result.logprobs)
+        calibrated = result.calibrated
         if layout.shape == PAIRS:
             for k, row in enumerate(unit.rows):
-                per_row[row] = (result.logprobs[k], result.label_probs[k])
+                p = None if calibrated is None else calibrated[k]
+                per_row[row] = (result.logprobs[k], result.label_probs[k], p)
         else:
-            per_row[unit.rows[0]] = (result.logprobs, result.label_probs)
+            per_row[unit.rows[0]] = (result.logprobs, result.label_probs, calibrated)
     failed = np.zeros(n, bool)
     failed[list(errors)] = True
     columns = {c: batch.column(c) for c in layout.id_columns}
@@ -420,21 +436,29 @@ def _render(tmpl: templates.Template, layout: Layout, query: Any, items: Any) ->
     )
 
 
-def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, Any] | None:
-    """(the unit, its prepared request) without the unit's bad rows (each passed to `reject`
-    with its own error), or None when none is left. An error in an option the job set for
-    every row is the job's (`JobConfigError`)."""
+def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Unit, Any]]:
+    """(unit, prepared request) pairs that score the unit's rows but its bad ones (each passed
+    to `reject` with its own error): the unit itself, or its parts where a query's pair rows
+    are more than one request of the scorer may hold (`Scorer(limits=)`), or none. An error in
+    an option the job set for every row is the job's (`JobConfigError`)."""
     try:
-        return unit, scorer.prepare(**unit.request)
+        return [(unit, scorer.prepare(**unit.request))]
     except ValidationError as e:
         error = e
+    if error.code in GROUP_TOO_LARGE and len(unit.rows) > 1:
+        half, items = len(unit.rows) // 2, unit.request["items"]
+        parts = [
+            _Unit(rows, {**unit.request, "items": part})
+            for rows, part in ((unit.rows[:half], items[:half]), (unit.rows[half:], items[half:]))
+        ]
+        return [ready for part in parts for ready in _prepare(scorer, part, layout, reject)]
     name = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
     if name in layout.options:
         raise JobConfigError(error.code, str(error), error.param)
     if len(unit.rows) == 1 or name != "items":
         for row in unit.rows:
             reject(row, error)
-        return None
+        return []
     # A query's pair rows: each item prepared on its own finds the bad ones.
     good = []
     for k, item in enumerate(unit.request["items"]):
@@ -446,9 +470,9 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, A
     if len(good) == len(unit.rows):  # no item is bad alone: the error is the request's
         for row in unit.rows:
             reject(row, error)
-        return None
+        return []
     if not good:
-        return None
+        return []
     request = {**unit.request, "items": [unit.request["items"][k] for k in good]}
     return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject)
 
@@ -456,16 +480,16 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> tuple[_Unit, A
 def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
     """Per-row (raw, scores) values (None for a failed row) as the output's score columns:
     `ScoreResult.logprobs` (log-probabilities, or a classification head's logits) and
-    `ScoreResult.label_probs` (the softmax over the labels, or the class probabilities)."""
-    raw_kind, score_kind = layout.kinds
+    `ScoreResult.label_probs` (the softmax over the labels, or the class probabilities), and
+    with a calibration `ScoreResult.calibrated`."""
+    columns: dict[str, pa.Array] = {}
     if layout.label_names is None:  # labels per row: list columns
-        return {
-            f"{raw_kind}s": _lists([None if x is None else x[0] for x in per_row], layout.shape),
-            f"{score_kind}s": _lists([None if x is None else x[1] for x in per_row], layout.shape),
-        }
+        for part, kind in enumerate(layout.kinds):
+            values = [None if x is None else x[part] for x in per_row]
+            columns[f"{kind}s"] = _lists(values, layout.shape)
+        return _with_calibrated(columns, layout, per_row)
     labels = len(layout.label_names)
     ok = np.array([x is not None for x in per_row], bool)
-    columns: dict[str, pa.Array] = {}
     for part, kind in enumerate(layout.kinds):
         if layout.shape == PAIRS:
             values = np.full((len(per_row), labels), np.nan, np.float32)
@@ -477,7 +501,25 @@ def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
         for j, name in enumerate(layout.label_names):
             column = [None if x is None else np.asarray(x[part][:, j], np.float32) for x in per_row]
             columns[f"{kind}_{name}"] = pa.array(column, type=pa.list_(pa.float32()))
-    return columns
+    return _with_calibrated(columns, layout, per_row)
+
+
+def _with_calibrated(
+    columns: dict[str, pa.Array], layout: Layout, per_row: list[Any]
+) -> dict[str, pa.Array]:
+    """`columns` and, where the layout has one, the calibrated column: null for a failed row and
+    for a row whose labels the calibration does not cover."""
+    if not layout.calibrated:
+        return columns
+    values = [None if x is None else x[2] for x in per_row]
+    if layout.shape == PAIRS:
+        column = pa.array([None if v is None else float(v) for v in values], pa.float32())
+    else:
+        column = pa.array(
+            [None if v is None else np.asarray(v, np.float32) for v in values],
+            type=pa.list_(pa.float32()),
+        )
+    return {**columns, CALIBRATED: column}
 
 
 def _lists(values: list[Any], shape: str) -> pa.Array:

@@ -65,6 +65,7 @@ from tpuscore.serving.errors import (
     input_refused,
     overloaded,
     request_invalid,
+    rerank_not_configured,
     wire_names,
 )
 from tpuscore.serving.metrics import Metrics, MetricsNames
@@ -95,7 +96,7 @@ def create_app(
     scorer: Scorer,
     *,
     model_name: str | None = None,
-    rerank_template: str | templates.Template = "plain",
+    rerank_template: str | templates.Template | None = "plain",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
     max_items: int | None = None,
@@ -108,7 +109,9 @@ def create_app(
 
     model_name: what responses and /v1/models call the model, and what a request's "model"
     may name (default: the scorer's `model_name`). rerank_template is a
-    `tpuscore.api.templates` name or a `Template` of your own. The app
+    `tpuscore.api.templates` name or a `Template` of your own, or None (or "none"): no rerank
+    (the rerank endpoints and vLLM's /score answer 404 `rerank_not_configured`; /v1/score is
+    served, whatever the model's tokenizer makes of the templates' labels). The app
     builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
     `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
     to share, which the caller closes.
@@ -171,6 +174,11 @@ def create_app(
         ("/v2/rerank", service.rerank_v2, responses.RerankV2Response),
         *tei.routes(service),  # /rerank and /tokenize: TEI's bodies beside the others
     ]
+    if service.template is None:  # --rerank-template none: the rerank paths answer 404
+        reranks = {"/v1/rerank", "/v2/rerank", "/rerank"}
+        scoring = [route for route in scoring if route[0] not in reranks]
+        for path in sorted(reranks):
+            app.router.add_api_route(path, _not_configured(path), methods=["POST"])
     for path, handler, model in scoring:
         app.router.add_api_route(
             path,
@@ -196,6 +204,8 @@ def create_app(
         dialects.documented_errors(dialects.DIALECT_BY_PATH[completions.PATH]),
     )
     counted = {path for path, _, _ in scoring} | {"/health", "/v1/models", completion}
+    if service.template is None:
+        counted |= {"/v1/rerank", "/v2/rerank", "/rerank"}
 
     app.add_exception_handler(RequestValidationError, request_invalid)
     app.add_exception_handler(ValidationError, input_refused)
@@ -207,6 +217,15 @@ def create_app(
     app.add_middleware(guards.AllowedHosts, hosts=allowed_hosts, refuse=foreign_host)
     app.openapi = _without_422(app)
     return app
+
+
+def _not_configured(path: str):
+    """A handler that refuses every request to a rerank path, its body unread."""
+
+    async def refuse() -> None:
+        raise rerank_not_configured(path)
+
+    return refuse
 
 
 # OpenAPI links: where one answer's values feed another request (schemathesis' stateful runs

@@ -44,8 +44,8 @@ class CompletionRequest(WireRequest):
 
     model: str | None = Field(
         None,
-        description="the served model's name (or null); a LoRA adapter's is refused: prompt "
-        "log-probabilities run on the base model only",
+        description="the served model's name (or null), or a LoRA adapter's: the prompt's "
+        "log-probabilities under it",
     )
     prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]] = Field(
         description="text, token ids, or a list of either: one choice per prompt"
@@ -218,13 +218,7 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     from tpuscore.serving.app import JSONResponse
 
     _refuse_generation(body)
-    if service.adapter(body.model) is not None:  # an unknown name is model_not_found first
-        raise ValidationError(
-            "adapter_unsupported",
-            f"model {body.model!r} is a LoRA adapter; prompt log-probabilities "
-            "(/v1/completions) run on the base model only: name it or leave model out",
-            "model",
-        )
+    adapter = service.adapter(body.model)  # an unknown name is model_not_found
     scorer = service.scorer
     prompts = body.prompt
     if isinstance(prompts, str) or (isinstance(prompts, list) and all(map(_is_id, prompts))):
@@ -232,7 +226,7 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     # The request's size as sent, before anything tokenizes it (RequestLimits).
     bounds.check_size(service.limits, items=("prompt", prompts), values={})
     ids, texts = _prompts(body.prompt, scorer.tokenizer)
-    work = asyncio.to_thread(scorer.prompt_logprobs, ids)
+    work = asyncio.to_thread(scorer.prompt_logprobs, ids, adapter=adapter)
     scored = await guards.unless_disconnected(request.receive, work)
     strings = _Strings(scorer.tokenizer)
     choices, generated = [], 0
@@ -244,7 +238,7 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     response = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=service.model_name,
+        model=adapter or service.model_name,
         choices=choices,
         usage=CompletionUsage(
             prompt_tokens=prompt_tokens,

@@ -33,6 +33,9 @@ SIZE_CODES = frozenset(
     {"too_many_items", "too_many_labels", "too_many_scores", "too_many_queries"}
     | {"input_too_long", "request_too_large"}
 )
+# What this server does not serve: a model or adapter it has not loaded, or reranking on a server
+# started without a rerank template.
+NOT_FOUND_CODES = frozenset({"model_not_found", "rerank_not_configured"})
 # Seconds an overloaded server asks a client to wait: a full queue drains within a few batches,
 # and Retry-After counts whole seconds.
 RETRY_AFTER_S = 1
@@ -53,6 +56,18 @@ def wire_names(error: ValidationError, names: Mapping[str, str]) -> ValidationEr
     return ValidationError(error.code, str(error), loc=(names.get(head, head), *error.loc[1:]))
 
 
+def rerank_not_configured(path: str) -> ValidationError:
+    """The error of a rerank endpoint (or vLLM's /score, which reranks) on a server started
+    without a rerank template: 404."""
+    return ValidationError(
+        "rerank_not_configured",
+        f"{path} ranks under the server's rerank template, and this server has none "
+        "(--rerank-template none): it serves /v1/score; start it with --rerank-template plain "
+        "or qwen3-reranker to rerank",
+        None,
+    )
+
+
 async def request_invalid(request: Request, exc: RequestValidationError) -> Response:
     """A body that fails its model: the first error, as tpuscore's code and param."""
     error = exc.errors()[0]
@@ -67,8 +82,9 @@ async def request_invalid(request: Request, exc: RequestValidationError) -> Resp
 
 async def input_refused(request: Request, exc: ValidationError) -> Response:
     """400, 413 for a request past a size bound, 404 for a `model` the server does not serve
-    (vLLM's answer to an unknown model or LoRA module)."""
-    status = 413 if exc.code in SIZE_CODES else 404 if exc.code == "model_not_found" else 400
+    (vLLM's answer to an unknown model or LoRA module) or a rerank on a server without a rerank
+    template."""
+    status = 413 if exc.code in SIZE_CODES else 404 if exc.code in NOT_FOUND_CODES else 400
     return dialects.error_response(request.scope, status, exc.code, str(exc), exc.param)
 
 

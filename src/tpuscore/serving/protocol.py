@@ -22,7 +22,14 @@ import json
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    WithJsonSchema,
+)
 from pydantic_core import PydanticCustomError
 
 from tpuscore.api.messages import short
@@ -42,8 +49,19 @@ TPUSCORE_CODES = frozenset(
         "invalid_documents",
         "invalid_argument",
         "ambiguous_request",
+        "empty_documents",
     }
 )
+
+
+def not_empty(value: list[Any]) -> list[Any]:
+    """Refuse an empty list of documents (`empty_documents`): the rerank APIs tpuscore serves
+    refuse one (Cohere: 400 "list of documents must not be empty"; TEI: 400 "`texts` cannot be
+    empty"), where a library call gets an empty result (docs/serving.md)."""
+    if not value:
+        raise PydanticCustomError("empty_documents", "cannot be empty: there is nothing to rerank")
+    return value
+
 
 # The `model` field of the scoring requests: it picks a LoRA adapter, as vLLM's LoRA modules are
 # picked (`Service.adapter`).
@@ -176,7 +194,10 @@ class _RerankFields(WireRequest):
 
     model: str | None = Field(None, description=MODEL_DOC)
     query: str
-    documents: list[Document] = Field(description='strings, or {"text": string} objects')
+    documents: Annotated[list[Document], AfterValidator(not_empty)] = Field(
+        description='strings, or {"text": string} objects; at least one',
+        json_schema_extra={"minItems": 1},
+    )
     top_n: Annotated[int, Field(ge=0)] | None = Field(
         None, description="how many results to return; 0 or null returns all"
     )
@@ -239,8 +260,10 @@ class RerankRequest(_RerankFields):
     After validation `documents` holds the texts ranked on; `originals` the documents as sent,
     returned when `return_documents`."""
 
-    documents: list[DocumentObject] = Field(
-        description="strings, or objects of string fields ranked on `text` or on `rank_fields`"
+    documents: Annotated[list[DocumentObject], AfterValidator(not_empty)] = Field(
+        description="strings, or objects of string fields ranked on `text` or on `rank_fields`; "
+        "at least one",
+        json_schema_extra={"minItems": 1},
     )
     return_documents: bool = Field(True, description="include each document in its result")
     max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = Field(

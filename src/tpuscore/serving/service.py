@@ -33,42 +33,24 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
         batcher: Batcher,
         *,
         model_name: str,
-        rerank_template: str | templates.Template,
+        rerank_template: str | templates.Template | None,
         max_body_bytes: int,
         limits: RequestLimits,
     ):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes ({max_body_bytes}) must be >= 1")
-        if isinstance(rerank_template, templates.Template):
-            self.template = rerank_template
-        else:
-            try:
-                self.template = templates.get(rerank_template)
-            except ValueError as e:  # ValidationError: unknown_template
-                raise ValueError(f"--rerank-template: {e}") from None
+        classes = scorer.config.num_labels
+        self.template = _template(rerank_template)
         # A classification model ranks by its own classes: the template renders the text and
         # supplies the item suffix, not the labels; the relevant class is the only one, else the
         # last (LABEL_1 of a binary classifier).
-        classes = scorer.config.num_labels
-        self.labels = None if classes else list(self.template.labels)
+        self.labels = None if classes or self.template is None else list(self.template.labels)
         self.positive = ranking.relevant_class(classes)
-        try:  # a template whose labels are not single tokens here would fail every rerank
-            t = self.template
-            scorer.prepare(
-                t.render_query("query"),
-                [t.render_item("document")],
-                labels=self.labels,
-                item_suffix=t.item_suffix,
-            )
-        except ValidationError as e:
-            raise ValueError(
-                f"rerank template {t.name!r} does not fit this model: {e}; choose another "
-                "--rerank-template, or in Python give create_app a templates.Template whose "
-                "labels are single tokens here (docs/serving.md)"
-            ) from None
+        if self.template is not None:
+            _check_fits(scorer, self.template, self.labels)
         fitted = scorer.score_calibration
-        if fitted is not None and fitted.template is not None:  # docs/calibration.md
-            fitted.check(template=self.template.name)
+        if fitted is not None and fitted.template is not None and self.template is not None:
+            fitted.check(template=self.template.name)  # docs/calibration.md
         self.scorer, self.batcher = scorer, batcher
         self.model_name = model_name
         self.max_body_bytes, self.limits = max_body_bytes, limits
@@ -124,3 +106,38 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
     async def prometheus(self) -> Response:
         """The Prometheus series: requests by status, latency, items, tokens, backends."""
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+
+# `--rerank-template none`: a server for /v1/score alone, whose model need not fit any template.
+NO_RERANK = "none"
+
+
+def _template(rerank_template: str | templates.Template | None) -> templates.Template | None:
+    """The rerank template a server was given: a Template, a name, or None ("none"): none."""
+    if rerank_template is None or rerank_template == NO_RERANK:
+        return None
+    if isinstance(rerank_template, templates.Template):
+        return rerank_template
+    try:
+        return templates.get(rerank_template)
+    except ValueError as e:  # ValidationError: unknown_template
+        raise ValueError(f"--rerank-template: {e}") from None
+
+
+def _check_fits(scorer: Scorer, template: templates.Template, labels: list[str] | None) -> None:
+    """ValueError where a template's labels are not single tokens of the model (every rerank
+    would fail), naming the way out."""
+    try:
+        scorer.prepare(
+            template.render_query("query"),
+            [template.render_item("document")],
+            labels=labels,
+            item_suffix=template.item_suffix,
+        )
+    except ValidationError as e:
+        raise ValueError(
+            f"rerank template {template.name!r} does not fit this model: {e}; choose another "
+            "--rerank-template, --rerank-template none to serve /v1/score without the rerank "
+            "endpoints, or in Python give create_app a templates.Template whose labels are "
+            "single tokens here (docs/serving.md)"
+        ) from None

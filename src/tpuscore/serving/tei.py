@@ -26,7 +26,7 @@ import numpy as np
 import pydantic
 import scipy.special
 from fastapi import Request
-from pydantic import BaseModel, Field, RootModel
+from pydantic import AfterValidator, BaseModel, Field, RootModel
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 from starlette.responses import Response
@@ -63,7 +63,9 @@ class TeiRerankRequest(protocol.WireRequest):
     )
 
     query: str
-    texts: Annotated[list[str], Field(min_length=1)] = Field(description="the texts to rank")
+    texts: Annotated[list[str], AfterValidator(protocol.not_empty)] = Field(
+        description="the texts to rank; at least one", json_schema_extra={"minItems": 1}
+    )
     truncate: bool | None = Field(
         None,
         description="true: cut each text to what fits beside the query; false or null: a text "

@@ -16,7 +16,7 @@ from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import protocol, responses, score_protocol
 from tpuscore.serving.dialects import JSONResponse
-from tpuscore.serving.errors import wire_names
+from tpuscore.serving.errors import rerank_not_configured, wire_names
 from tpuscore.tasks import ranking
 
 T = TypeVar("T")
@@ -35,6 +35,8 @@ class VllmEndpoints:
     ) -> Response:
         """vLLM's scoring: each (query, document) pair's reranker score, as /v1/rerank gives
         the same pair (the server's template and labels)."""
+        if self.template is None:
+            raise rerank_not_configured("vLLM's /score (text_1, text_2)")
         adapter = self.adapter(body.model)
         pairs = body.pairs()
         first, second = body.SIDES

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import tokenizers
 
-from tpuscore.api import templates
+from tpuscore.api import templates, validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions
@@ -153,6 +153,7 @@ def score(
     carries `calibrated` per chunk under the engine's calibration (as an item's would; the
     documents' aggregated scores are not calibrated)."""
     chunking = Chunking.of(chunking)
+    validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
     chunks = split(engine.tokenizer, items, chunking)
     try:
         request = engine.prepare(query, chunks.items, options)
@@ -222,6 +223,7 @@ def rank(
     chunking = Chunking.of(chunking)
     if top_k is not None:
         top_k = ranking._check_index(top_k, "top_k", minimum=1)
+    validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
     chunks = split(engine.tokenizer, items, chunking)
     try:
         ranked = ranking.rank(

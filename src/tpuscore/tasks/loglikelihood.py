@@ -28,7 +28,8 @@ What is tokenized, and how it compares with lm-evaluation-harness (checked again
 It runs through the engine (`Engine.loglikelihood`) on prefill_extend's loglikelihood plans: the
 context is prefilled once (or found in the prefix cache) and every continuation extends it, with
 log-probabilities read at every continuation position, not only the last; under the memory guard,
-with its step in the shape set.
+with its step in the shape set. Under a LoRA adapter (`adapter=`), the context's prefill and every
+continuation step run under it, and the prefix cache keeps its K/V apart from the base model's.
 """
 
 from __future__ import annotations
@@ -64,9 +65,15 @@ class LoglikelihoodResult:
 
 
 def loglikelihood(
-    engine: Engine, context: Any, continuations: Any, *, backend: str | None = None
+    engine: Engine,
+    context: Any,
+    continuations: Any,
+    *,
+    backend: str | None = None,
+    adapter: str | None = None,
 ) -> list[LoglikelihoodResult]:
-    """`Scorer.loglikelihood`: validate, then run on the engine (`Engine.loglikelihood`)."""
+    """`Scorer.loglikelihood`: validate, then run on the engine (`Engine.loglikelihood`), under
+    the LoRA adapter named `adapter` (None: the base model)."""
     runs_it = registry.loglikelihood_backend()
     name = registry.backend_name(runs_it if backend is None else backend)
     if name not in (registry.AUTO, runs_it):
@@ -76,7 +83,9 @@ def loglikelihood(
             f"cannot run it (use None, 'auto' or {runs_it!r})",
             "backend",
         )
-    request = validation.validate_loglikelihood(context, continuations, engine.facts)
+    request = validation.validate_loglikelihood(context, continuations, engine.facts, adapter)
+    if request.adapter:
+        registry.check_capabilities(runs_it, item_first=False, adapter=True)
     return [
         LoglikelihoodResult(
             logprob=float(scores.token_logprobs.astype(np.float64).sum()),

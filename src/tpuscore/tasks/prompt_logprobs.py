@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from tpuscore.api import bounds, validation
+from tpuscore.api.argument_checks import is_token_list, token_ids
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.backends.contract import TOP_LOGPROBS, PositionScores
 
 if TYPE_CHECKING:
@@ -51,7 +54,8 @@ class PromptLogprobs:
 
 def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[int]]:
     """The prompts as token-id lists, each non-empty, in the vocabulary and within the model's
-    positions; a classification model has no next-token distribution and is refused."""
+    positions; a classification model has no next-token distribution and is refused. Anything
+    but a list of token-id lists is `invalid_prompt` (a float or bool is no token id)."""
     config = engine.model.config
     if config.num_labels:
         raise ValidationError(
@@ -59,18 +63,29 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
             "a classification model has no next-token probabilities to report",
             param,
         )
+    bounds.check_size(
+        engine.facts.limits,
+        items=(param, prompts),
+        values={},
+        holder=validation.SCORER_BOUNDS,
+        check_ids=False,
+    )
+    if not is_token_list(prompts) or isinstance(prompts, np.ndarray):
+        raise ValidationError(
+            "invalid_prompt",
+            f"{param} must be a list of token-id lists, got {short(prompts)}",
+            param,
+        )
     checked = []
     for i, prompt in enumerate(prompts):
         where = f"{param}[{i}]" if len(prompts) > 1 else param
+        if not is_token_list(prompt):
+            raise ValidationError(
+                "invalid_prompt", f"{where} must be a list of token ids, got {short(prompt)}", where
+            )
         if len(prompt) == 0:
             raise ValidationError("empty_prompt", f"{where} has no token", where)
-        bad = [t for t in prompt if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValidationError(
-                "token_id_negative" if bad[0] < 0 else "token_id_exceeds_vocab",
-                f"{where} holds token id {bad[0]}; the vocabulary has {config.vocab_size}",
-                where,
-            )
+        prompt = token_ids(prompt, where, "invalid_prompt", config.vocab_size)  # noqa: PLW2901
         if len(prompt) > config.max_position_embeddings:
             raise ValidationError(
                 "sequence_too_long",
@@ -78,14 +93,18 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
                 f"{config.max_position_embeddings}",
                 where,
             )
-        checked.append([int(t) for t in prompt])
+        checked.append(prompt)
     return checked
 
 
-def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[PromptLogprobs]:
+def prompt_logprobs(
+    engine: Engine, prompts: Sequence[Sequence[int]], adapter: str | None = None
+) -> list[PromptLogprobs]:
     """`Scorer.prompt_logprobs`: validate, group by first token, run every group's common prefix
-    and remainders in one engine call (module doc), assemble each prompt's result."""
+    and remainders in one engine call (module doc) under the LoRA adapter named `adapter`
+    (None: the base model), assemble each prompt's result."""
     prompts = validate(engine, prompts)
+    adapter_at = validation.adapter_index(adapter, tuple(engine.model.adapter_names))
     groups: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt[0], []).append(i)
@@ -98,7 +117,7 @@ def prompt_logprobs(engine: Engine, prompts: Sequence[Sequence[int]]) -> list[Pr
             extensions.append((shared[:1], [shared[1:]]))
         extensions.append((shared, [prompt[p:] for prompt in group]))
         members_of.append((members, p))
-    scored = iter(engine.prompt_logprobs(extensions))
+    scored = iter(engine.prompt_logprobs(extensions, adapter_at))
     results: list[PromptLogprobs | None] = [None] * len(prompts)
     for members, p in members_of:
         inside = next(scored)[0] if p > 1 else None

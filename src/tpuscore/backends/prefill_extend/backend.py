@@ -152,9 +152,9 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
 
     def replan(self, plan: Plan) -> Plan:
         if isinstance(plan, LoglikelihoodPlan):
-            return self.plan_loglikelihood(plan.context, plan.continuations)
+            return self.plan_loglikelihood(plan.context, plan.continuations, plan.adapter)
         if isinstance(plan, PromptLogprobsPlan):
-            return self.plan_prompt_logprobs(plan.extensions)
+            return self.plan_prompt_logprobs(plan.extensions, plan.adapter)
         return self.plan(plan.batches)
 
     def price_scores(self, plan: Plan) -> list[work.StepWork]:
@@ -253,7 +253,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
 
     @staticmethod
     def _adapter(wave: Wave, query: int) -> int:
-        """The adapter of a wave's query (loglikelihood's waves carry none: 0)."""
+        """The adapter of a wave's query (0: none)."""
         return wave.adapters[query] if wave.adapters else 0
 
     def _prefill_step(self, wave: Wave, step: PrefillStep, current, out, owners) -> list[Prefix]:

@@ -26,26 +26,29 @@ from tpuscore.parallel.sharding import to_host
 
 @attrs.frozen(eq=False)
 class LoglikelihoodPlan(Plan):
-    """A context and its continuations; `steps`: (indices into continuations, padded length)
-    per extend step (`continuation_batches`). `batches` is empty: no `ScoreBatch` is scored."""
+    """A context and its continuations, run under LoRA adapter `adapter` (0: none); `steps`:
+    (indices into continuations, padded length) per extend step (`continuation_batches`).
+    `batches` is empty: no `ScoreBatch` is scored."""
 
     context: np.ndarray = attrs.field(kw_only=True)
     continuations: tuple[tuple[int, ...], ...] = attrs.field(kw_only=True)
+    adapter: int = attrs.field(default=0, kw_only=True)
 
 
 class Loglikelihood:
     """The loglikelihood plan kind of `PrefillExtendBackend` (module doc)."""
 
     def plan_loglikelihood(
-        self, context: Sequence[int], continuations: Sequence[Sequence[int]]
+        self, context: Sequence[int], continuations: Sequence[Sequence[int]], adapter: int = 0
     ) -> LoglikelihoodPlan:
-        """The steps that score every continuation after the context."""
+        """The steps that score every continuation after the context, under `adapter`."""
         lens = np.array([len(c) for c in continuations], np.int64)
         return LoglikelihoodPlan(
             (),
             list(self.continuation_batches(lens)),
             context=np.asarray(context, np.int32),
             continuations=tuple(tuple(c) for c in continuations),
+            adapter=int(adapter),
         )
 
     def continuation_batches(self, lens: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
@@ -93,14 +96,17 @@ class Loglikelihood:
         """Prefill the context once (or reuse it from the prefix cache), then extend it by the
         plan's steps; every step is dispatched before the first is read back."""
         model, lens = self.model, [len(c) for c in plan.continuations]
-        prefix = self.query_prefix(plan.context)
+        prefix = self.query_prefix(plan.context, plan.adapter)
         pending = []
         for rows, length in plan.steps:
             tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
             for r, i in enumerate(rows):
                 tokens[r, : lens[i]] = plan.continuations[i]
+            adapters = model.row_adapters(np.full(tokens.shape[0], plan.adapter, np.int32))
             tokens = model.layout.put_rows(tokens)
-            logprobs = self.continuation_logprobs(model.params, prefix, tokens, model.config)
+            logprobs = self.continuation_logprobs(
+                model.params, prefix, tokens, model.config, adapters=adapters
+            )
             pending.append((rows, logprobs))
         results: list[ContinuationScores | None] = [None] * len(lens)
         for rows, (picked, greedy) in pending:
@@ -112,10 +118,11 @@ class Loglikelihood:
                 results[i] = ContinuationScores(token_logprobs, bool(greedy[r, :n].all()))
         return results
 
-    def query_prefix(self, query: np.ndarray) -> Prefix:
-        """One query's K/V, from the cache or prefilled, with no output to count steps in."""
-        ready, reused, steps = self._plan_prefill([query], self.cache.lookup)
-        wave = Wave([0], [query], [0], ready, reused, steps, [])
+    def query_prefix(self, query: np.ndarray, adapter: int = 0) -> Prefix:
+        """One query's K/V under `adapter` (0: none), from the cache or prefilled, with no
+        output to count steps in."""
+        ready, reused, steps = self._plan_prefill([query], self.cache.lookup, [adapter])
+        wave = Wave([0], [query], [0], ready, reused, steps, [], adapters=[adapter])
         return self._run_prefill(wave, None, [0])[0]
 
     def continuation_shapes(self, limits: ShapeLimits, sizes: Sequence[int]) -> set[StepShape]:
@@ -133,4 +140,7 @@ class Loglikelihood:
     def _continuation_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, length, size = shape
         tokens = self.model.layout.put_rows(np.zeros((rows, length), np.int32))
-        return (self.model.params, self._zero_prefix(size), tokens, self.model.config), {}
+        adapters = self.model.row_adapters(np.zeros(rows, np.int32))
+        return (self.model.params, self._zero_prefix(size), tokens, self.model.config), {
+            "adapters": adapters
+        }

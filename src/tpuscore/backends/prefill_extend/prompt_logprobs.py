@@ -27,18 +27,20 @@ from tpuscore.parallel.sharding import to_host
 class PromptLogprobsPlan(Plan):
     """(context, continuations) pairs, each context run once; `steps`: (index of the pair,
     indices into its continuations, padded length) per extend step, a pair's steps together.
-    `batches` is empty: no `ScoreBatch` is scored."""
+    `batches` is empty: no `ScoreBatch` is scored. adapter: the LoRA adapter all run under
+    (0: none)."""
 
     extensions: tuple[tuple[np.ndarray, tuple[tuple[int, ...], ...]], ...] = attrs.field(
         kw_only=True
     )
+    adapter: int = attrs.field(default=0, kw_only=True)
 
 
 class PromptLogprobs:
     """The prompt log-probabilities plan kind of `PrefillExtendBackend` (module doc)."""
 
     def plan_prompt_logprobs(
-        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]
+        self, extensions: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], adapter: int = 0
     ) -> PromptLogprobsPlan:
         """The steps that read every continuation after its context, at each of its positions
         and the one after it. An empty continuation runs as one padding token (its row is read
@@ -51,7 +53,7 @@ class PromptLogprobs:
         for e, (_, continuations) in enumerate(pairs):
             lens = np.array([max(len(c), 1) for c in continuations], np.int64)
             steps.extend((e, rows, length) for rows, length in self.continuation_batches(lens))
-        return PromptLogprobsPlan((), steps, extensions=pairs)
+        return PromptLogprobsPlan((), steps, extensions=pairs, adapter=int(adapter))
 
     def price_prompt_logprobs(self, plan: PromptLogprobsPlan) -> list[work.StepWork]:
         """Each extend step's work (counted by the memory guard; not auto's to pick)."""
@@ -82,14 +84,17 @@ class PromptLogprobs:
         for e, rows, length in plan.steps:
             steps_of.setdefault(e, []).append((rows, length))
         for e, (context, continuations) in enumerate(plan.extensions):
-            prefix = self.query_prefix(context)
+            prefix = self.query_prefix(context, plan.adapter)
             pending = []
             for rows, length in steps_of.get(e, []):
                 tokens = np.zeros((model.layout.rows(len(rows)), length), np.int32)
                 for r, i in enumerate(rows):
                     tokens[r, : len(continuations[i])] = continuations[i]
+                adapters = model.row_adapters(np.full(tokens.shape[0], plan.adapter, np.int32))
                 tokens = model.layout.put_rows(tokens)
-                out = self.prompt_logprobs(model.params, prefix, tokens, model.config)
+                out = self.prompt_logprobs(
+                    model.params, prefix, tokens, model.config, adapters=adapters
+                )
                 pending.append((rows, out))
             scores: list[PositionScores | None] = [None] * len(continuations)
             for rows, out in pending:
@@ -127,4 +132,7 @@ class PromptLogprobs:
     def _prompt_zeros(self, shape: tuple[int, ...]) -> tuple[tuple, dict]:
         rows, length, size = shape
         tokens = self.model.layout.put_rows(np.zeros((rows, length), np.int32))
-        return (self.model.params, self._zero_prefix(size), tokens, self.model.config), {}
+        adapters = self.model.row_adapters(np.zeros(rows, np.int32))
+        return (self.model.params, self._zero_prefix(size), tokens, self.model.config), {
+            "adapters": adapters
+        }

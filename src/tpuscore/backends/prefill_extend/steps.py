@@ -246,20 +246,26 @@ stack = jax.jit(decoder.stack_prefixes, static_argnames="count")
 
 @functools.partial(jax.jit, static_argnames="config")
 def continuation_logprobs(
-    params: Params, prefix: Prefix, tokens: jax.Array, config: ModelConfig
+    params: Params,
+    prefix: Prefix,
+    tokens: jax.Array,
+    config: ModelConfig,
+    adapters: RowAdapters | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probabilities [B, L] of tokens [B, L] (rows right-padded continuations of `prefix`),
     each given the prefix and the row's tokens before it, and whether each is the argmax [B, L].
+    adapters: each row's LoRA adapter, that of the prefix's query.
 
     Token j is predicted by the hidden state before it: the prefix's last token for j = 0, the
     row's token j - 1 after. Positions past a row's length hold padding: the caller drops them
     (causal attention keeps padding from reaching real tokens)."""
     B, L = tokens.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, config, prefix, tokens, causal)  # [B, L, D]
+    hidden, _ = decoder.extend(params, config, prefix, tokens, causal, adapters=adapters)
     first = jnp.broadcast_to(prefix.last_hidden, (B, 1, hidden.shape[-1]))
     before = jnp.concatenate([first, hidden[:, :-1]], axis=1)  # [B, L, D]
     vocab = jnp.arange(config.vocab_size)
+    # An LM head takes no adapter (only a classification head has its own; it has no tokens).
     logprobs = decoder.label_logprobs(params, config, before.reshape(B * L, -1), vocab)
     logprobs = logprobs.reshape(B, L, -1)  # [B, L, V]
     picked = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
@@ -268,16 +274,21 @@ def continuation_logprobs(
 
 @functools.partial(jax.jit, static_argnames="config")
 def prompt_logprobs(
-    params: Params, prefix: Prefix, tokens: jax.Array, config: ModelConfig
+    params: Params,
+    prefix: Prefix,
+    tokens: jax.Array,
+    config: ModelConfig,
+    adapters: RowAdapters | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For rows tokens [B, L] (right-padded continuations of `prefix`): the log-probability of
     each token [B, L], and the TOP_LOGPROBS most likely tokens' log-probabilities and ids
     [B, L + 1, TOP_LOGPROBS] at each of the L + 1 positions from the prefix's last token on
     (position i predicts token i; the caller reads a row's positions up to its length; causal
-    attention keeps padding out of real tokens)."""
+    attention keeps padding out of real tokens). adapters: each row's LoRA adapter, that of
+    the prefix's query."""
     B, L = tokens.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
-    hidden, _ = decoder.extend(params, config, prefix, tokens, causal)  # [B, L, D]
+    hidden, _ = decoder.extend(params, config, prefix, tokens, causal, adapters=adapters)
     first = jnp.broadcast_to(prefix.last_hidden, (B, 1, hidden.shape[-1]))
     before = jnp.concatenate([first, hidden], axis=1)  # [B, L + 1, D]
     vocab = jnp.arange(config.vocab_size)
