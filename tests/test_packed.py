@@ -76,7 +76,26 @@ def test_equals_serial(case, scorers, rng, backend, count):
     got = scorer.score(query, items, labels, backend=backend)
     np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
     assert got.backend == backend
-    assert got.num_tokens == len(query) + sum(map(len, items))  # one chunk: the query once
+    chunks = scorer.get_backend(backend).score(make_batch(query, items, labels, False)).stats.chunks
+    assert got.num_tokens == chunks * len(query) + sum(map(len, items))  # the query per chunk
+
+
+def test_a_row_that_would_pad_much_is_split_into_equal_chunks_that_pad_less(scorers, rng):
+    backend = "packed_segment"  # whose budget holds the whole row (packed_dense's splits it)
+    scorer = scorers("llama_gqa_untied")
+    vocab = scorer.config.vocab_size
+    query, items = random_tokens(rng, 50, vocab), [random_tokens(rng, 100, vocab)] * 20
+    runner = scorer.get_backend(backend)
+    batch = make_batch(query, items, [1, 2], False)
+    chunks = runner.chunks(batch)
+    fewest = list(packing.plan(batch, runner.max_tokens, runner.slots(runner.max_tokens)))
+    assert len(chunks) > len(fewest)
+    assert runner.padded_tokens(batch, chunks) < runner.padded_tokens(batch, fewest)
+    np.testing.assert_array_equal(np.concatenate(chunks), np.arange(20))  # in order, all once
+    assert max(map(len, chunks)) - min(map(len, chunks)) <= 1  # equal items: equal chunks
+    serial = scorer.score(query, items, [1, 2], backend="serial")
+    got = scorer.score(query, items, [1, 2], backend=backend)
+    np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("backend", PACKED)
@@ -197,8 +216,6 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     limits = {"query_tokens": 99, "item_tokens": 19, "labels": 6}
     lattice = {(s.step, s.shape) for s in scorer.shapes(limits, backends=[backend])}
     assert {(s.step, s.shape) for s in shapes} <= lattice
-    for rows, *_ in distinct:
-        assert rows == 1  # one request at a time, each one chunk: one packed row per step
     print(f"{len(distinct)} shapes from {len(requests)} requests; {len(lattice)} in the lattice")
     for query, items, labels in requests:  # the same stream again compiles nothing
         scorer.score(query, items, labels, backend=backend)

@@ -79,6 +79,18 @@ def plan(batch: ScoreBatch, max_tokens: int, max_items: int | None = None) -> It
         yield np.arange(start, len(lens))
 
 
+def balanced(batch: ScoreBatch, count: int) -> list[np.ndarray]:
+    """The batch's items, in order, in `count` chunks of about equal item tokens (each chunk's
+    end where the running total of tokens first reaches its share); fewer where items are too
+    few or too long to make that many."""
+    lens = batch.item_lens[: batch.num_items]
+    ends = np.cumsum(lens)
+    shares = ends[-1] * np.arange(1, count) / count
+    cuts = np.unique(np.searchsorted(ends, shares, side="left") + 1)
+    cuts = cuts[(cuts > 0) & (cuts < len(lens))]
+    return np.split(np.arange(len(lens)), cuts)
+
+
 @attrs.frozen
 class PackedRows:
     """Packed sequences in the batch axis: tokens, positions, seg_start [B, T]; prefix_len [B];

@@ -20,6 +20,7 @@ MAX_STEP_TOKENS = 1 << 16  # tokens in all rows of one step: bounds the row coun
 # Packed tokens per scored position: a row of T tokens scores up to about T / 12 items (`slots`),
 # so its LM head costs a few percent of its layers. Rows of shorter items are padded longer.
 SLOT_TOKENS = 12
+EXTRA_CHUNKS = 4  # chunks past the fewest that `chunks` tries, to pad less
 
 
 @attrs.frozen
@@ -48,10 +49,10 @@ class PackedPlanning(PlatformBuckets):
     def schedule(self, batches: Sequence[ScoreBatch]) -> list[PackedStep]:
         """The device steps that score these groups.
 
-        Each group's items are split, in order, into chunks that fill the longest packed length
-        that fits the budget, with no more items than their logits leave room for there
-        (`chunk_limits`, `packing.plan`, `slots`); each chunk is one packed row, its query first,
-        of `length_for` its tokens and items.
+        Each group's items are split, in order, into chunks (`chunks`): the fewest that fit the
+        budget's longest packed length, with no more items than their logits leave room for there
+        (`chunk_limits`, `packing.plan`, `slots`), or a few more of equal tokens that pad less;
+        each chunk is one packed row, its query first, of `length_for` its tokens and items.
         Rows are taken longest first: a step's length is the token bucket of its longest chunk,
         and it takes as many of the next chunks as fit that length's memory (a power of two of
         rows, the last step padded to one unless that padding would hold `split_padding_tokens`
@@ -61,7 +62,7 @@ class PackedPlanning(PlatformBuckets):
         chunks = [
             (g, rows, batch.query_len + int(batch.item_lens[rows].sum()))
             for g, batch in enumerate(batches)
-            for rows in packing.plan(batch, self.max_tokens, self.slots(self.max_tokens))
+            for rows in self.chunks(batch)
         ]
         lengths = [self.length_for(n, len(rows)) for _, rows, n in chunks]
         order = sorted(range(len(chunks)), key=lambda c: -lengths[c])  # stable
@@ -86,6 +87,32 @@ class PackedPlanning(PlatformBuckets):
             )
             start += count
         return steps
+
+    def chunks(self, batch: ScoreBatch) -> list[np.ndarray]:
+        """A group's items in chunks (batch rows of each), one packed row each: the fewest that
+        fill the longest packed length that fits the budget (`packing.plan`), or up to
+        EXTRA_CHUNKS more of about equal tokens where their padded rows hold fewer tokens (one
+        2,050-token row pads to 2,560; three of ~700, to 3 x 768)."""
+        max_items = self.slots(self.max_tokens)
+        fewest = list(packing.plan(batch, self.max_tokens, max_items))
+        best, best_tokens = fewest, self.padded_tokens(batch, fewest)
+        for count in range(len(fewest) + 1, len(fewest) + EXTRA_CHUNKS + 1):
+            chunks = packing.balanced(batch, count)
+            if len(chunks) != count or any(len(rows) > max_items for rows in chunks):
+                break
+            tokens = self.padded_tokens(batch, chunks)
+            if tokens < best_tokens:
+                best, best_tokens = chunks, tokens
+        return best
+
+    def padded_tokens(self, batch: ScoreBatch, chunks: Sequence[np.ndarray]) -> float:
+        """The tokens these chunks' rows hold, each padded to its length (inf if one is longer
+        than `max_tokens`)."""
+        lengths = [
+            self.length_for(batch.query_len + int(batch.item_lens[rows].sum()), len(rows))
+            for rows in chunks
+        ]
+        return sum(lengths) if max(lengths) <= self.max_tokens else float("inf")
 
     def bucket(self, tokens: int) -> int:
         """The packed length that `tokens` real tokens are padded to: a token bucket on this
