@@ -1,7 +1,12 @@
 """The platform is resolved once, into the model, and passed down (compiles nothing)."""
 
+import functools
+
+import attrs
 import numpy as np
 
+from helpers import SMOLLM2_135M
+from tpuscore.backends import registry
 from tpuscore.backends.packed.backend import (
     PackedDenseBackend,
     PackedOptions,
@@ -11,6 +16,7 @@ from tpuscore.backends.packed.backend import (
 from tpuscore.backends.prefill_extend.steps import key_blocks, keys_read
 from tpuscore.engine import shapes
 from tpuscore.engine.planning import FixedRule
+from tpuscore.kernels.segment.tpu import BlockSizes
 from tpuscore.models.attention import score_block_tokens
 from tpuscore.models.model import Model
 from tpuscore.parallel.sharding import ONE_DEVICE
@@ -29,7 +35,13 @@ def test_the_model_holds_its_layouts_platform():
     assert Model(None, None, np.dtype(np.float32)).platform == ONE_DEVICE.platform
 
 
-def test_auto_shapes_take_the_platform_given():
+def test_auto_shapes_take_the_platform_given(monkeypatch):
+    # packed_segment as a backend compiled on TPU and GPU only (a Pallas kernel alone)
+    registration = registry.registration("packed_segment")
+    capabilities = attrs.evolve(registration.capabilities, compiled_on=frozenset({"tpu", "gpu"}))
+    monkeypatch.setitem(
+        registry._REGISTRY, "packed_segment", attrs.evolve(registration, capabilities=capabilities)
+    )
     on_tpu = shapes.backends_for("auto", object(), "tpu")
     on_cpu = shapes.backends_for("auto", object(), "cpu")
     assert "packed_segment" in on_tpu and "packed_segment" not in on_cpu
@@ -50,8 +62,11 @@ def test_the_segment_kernel_interprets_off_its_tiles_platform():
     step's static arguments (and executables) do not depend on the process's default backend."""
 
     def on(platform, kind=PackedSegmentBackend, options=PackedSegmentOptions):
-        model = Model(None, params=None, dtype=np.dtype(np.float32), platform=platform)
+        model = Model(SMOLLM2_135M, params=None, dtype=np.dtype(np.float32), platform=platform)
         return kind(model, options(activation_bytes=1 << 20)).interpret
 
-    assert on("tpu") is False and on("cpu") is True
+    assert on("tpu") is False
+    assert on("cpu") is False  # the fused C++ kernel (kernels/cpu_attention)
+    tpu_tiles = functools.partial(PackedSegmentOptions, block_sizes=BlockSizes())
+    assert on("cpu", options=tpu_tiles) is True
     assert on("tpu", PackedDenseBackend, PackedOptions) is None  # no kernel

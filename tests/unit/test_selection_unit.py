@@ -48,7 +48,12 @@ def test_item_first_goes_to_the_fallback():
     assert choice.backend == registry.fallback()
 
 
-def test_interpret_mode_is_not_eligible_on_cpu():
+def test_interpret_mode_is_not_eligible_on_cpu(monkeypatch):
+    registration = registry.registration("packed_segment")  # as if a Pallas kernel alone
+    capabilities = attrs.evolve(registration.capabilities, compiled_on=frozenset({"tpu", "gpu"}))
+    monkeypatch.setitem(
+        registry._REGISTRY, "packed_segment", attrs.evolve(registration, capabilities=capabilities)
+    )
     fakes = {n: FakeBackend(flops=10.0) for n in registry.candidates()}
     fakes["packed_segment"] = FakeBackend(flops=0.001)
     plan = selection.CostModel(built_in("cpu"), platform="cpu").plan(batches(), FakePool(fakes))

@@ -179,7 +179,7 @@ class PackedBackend(PackedPlanning, PackedStepShapes, Scoring, Budgeted):
         for step in plan.steps:
             T = step.length
             chunks = [(g, rows, n) for (g, rows), n in zip(step.chunks, step.tokens, strict=True)]
-            if self.block_sizes is None:  # dense: every (token, key) pair, masked or not
+            if self.dense_mask:  # every (token, key) pair, masked or not
                 pairs, kv = step.rows * T * T, 0
             else:  # the kernel: its visible tiles, each re-reading a K/V tile
                 bq, bkv = self.block_sizes.block_q, self.block_sizes.block_kv
@@ -215,7 +215,13 @@ class PackedSegmentBackend(PackedBackend):
     and GPU, the fused C++ kernel on CPU (`kernels.cpu_attention`; the dense mask where that
     cannot run: no AVX-512, bfloat16 attention or a soft-cap)."""
 
-    dense_mask = False
+    @property
+    def dense_mask(self) -> bool:
+        """Whether attention builds the [T, T] mask: on CPU where the fused kernel cannot run
+        (asked when planning, so a backend is built without building the kernel)."""
+        if isinstance(self.block_sizes, CpuTiles):
+            return not cpu_attention.available()
+        return self.block_sizes is None
 
     def __init__(self, model: Model, options: PackedSegmentOptions):
         super().__init__(model, options)
@@ -224,11 +230,9 @@ class PackedSegmentBackend(PackedBackend):
             kind = jax.devices()[0].device_kind
             self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
         elif self.block_sizes is None and model.platform == "cpu":
-            # The fused CPU kernel; where it cannot run, XLA's ops under the dense mask.
-            if cpu_attention.segment_kernel_applies(model.dtype, model.config.attn_logit_softcap):
+            # The fused CPU kernel where its dtype and scores apply, else the dense mask.
+            if model.dtype == np.float32 and model.config.attn_logit_softcap is None:
                 self.block_sizes = CpuTiles()
-            else:
-                self.dense_mask = True
         elif self.block_sizes is None:
             self.block_sizes = BlockSizes()
 
