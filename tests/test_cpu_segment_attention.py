@@ -105,3 +105,31 @@ def test_bfloat16_attention_and_a_soft_cap_keep_xlas_ops():
             x, x[:, :, :1], x[:, :, :1], jnp.zeros(1, jnp.int32), jnp.zeros((1, 32), jnp.int32),
             None, None,
         )  # fmt: skip
+
+
+def test_without_the_kernel_packed_segment_plans_and_attends_under_the_dense_mask(
+    checkpoint_dir, rng, monkeypatch
+):
+    """Where the kernel cannot run (no AVX-512F, no compiler, TPUSCORE_CPU_KERNELS=off),
+    packed_segment plans for the [T, T] mask and its step runs XLA's ops, still exact."""
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    scorer = Scorer.from_pretrained(checkpoint_dir("qwen2_bias"), dtype="float32")
+    backend = scorer.get_backend("packed_segment")
+    assert isinstance(backend.block_sizes, CpuTiles) and backend.dense_mask
+    vocab = scorer.config.vocab_size
+    query = rng.integers(0, vocab, 30).tolist()
+    items = [rng.integers(0, vocab, int(rng.integers(1, 12))).tolist() for _ in range(5)]
+    jax.clear_caches()  # no step traced with the kernel is reused
+    try:
+        got = scorer.score(query, items, [3, 4], backend="packed_segment")
+        tokens = jnp.zeros((1, 64), jnp.int32)
+        lowered = packed_steps.score_packed.lower(
+            scorer.engine.model.params, tokens, tokens, jnp.zeros(1, jnp.int32), tokens,
+            jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 2), jnp.int32), config=scorer.config,
+            block_sizes=CpuTiles(), layout=scorer.engine.model.layout, interpret=False,
+        ).as_text()  # fmt: skip
+    finally:
+        jax.clear_caches()  # nor is one traced without it
+    assert cpu_attention.library.SEGMENT_TARGET not in lowered
+    want = scorer.score(query, items, [3, 4], backend="reference")
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
