@@ -225,7 +225,7 @@ def job_columns(doors: Doors, labels: list[str] | None) -> tuple[list[str], list
     """The job's score columns: a causal LM's logprob_<label> and score_<label> (the softmax
     over the labels); a classifier's logit_<class> and score_<class> (its class probabilities),
     logits not being log-probabilities."""
-    from tpuscore.jobs.scoring import label_names
+    from tpuscore.jobs.spec import label_names
 
     if doors.classification:
         config = doors.scorer.config

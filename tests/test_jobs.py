@@ -17,7 +17,7 @@ import scipy.special
 from tpuscore import ValidationError
 from tpuscore.jobs import JobConfigError, RowFailed, grouping, load_scorer, score_table
 from tpuscore.jobs.job import output_paths
-from tpuscore.jobs.scoring import label_names
+from tpuscore.jobs.spec import label_names
 
 CASE = "llama_gqa_untied"
 WORDS = [

@@ -5,14 +5,8 @@ from tpuscore.jobs.job import JobSummary, load_scorer, score_table
 from tpuscore.jobs.locking import OutputLocked
 from tpuscore.jobs.output import ResumeRefused
 from tpuscore.jobs.schemas import read_errors, read_output
-from tpuscore.jobs.scoring import (
-    JobConfigError,
-    RowError,
-    RowFailed,
-    Spec,
-    classes_of,
-    score_rows,
-)
+from tpuscore.jobs.scoring import score_rows
+from tpuscore.jobs.spec import JobConfigError, RowError, RowFailed, Spec, classes_of
 from tpuscore.jobs.tables import TableError, open_table
 
 __all__ = [

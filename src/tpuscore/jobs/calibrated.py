@@ -9,7 +9,7 @@ from typing import Any
 from tpuscore.api.argument_checks import labels_to_ids
 from tpuscore.api.calibration import Calibration, CalibrationMismatch
 from tpuscore.api.errors import ValidationError
-from tpuscore.jobs.scoring import Layout
+from tpuscore.jobs.spec import Layout
 
 
 def checked(scorer: Any, layout: Layout) -> Calibration | None:

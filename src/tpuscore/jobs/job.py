@@ -28,7 +28,8 @@ import pyarrow as pa
 from tpuscore.api.calibration import Calibration
 from tpuscore.jobs import calibrated, fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
-from tpuscore.jobs.scoring import JobConfigError, Spec, classes_of, score_rows
+from tpuscore.jobs.scoring import score_rows
+from tpuscore.jobs.spec import JobConfigError, Spec, classes_of
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
 

@@ -24,7 +24,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tpuscore.api.processes import pid_alive
-from tpuscore.jobs.scoring import JobConfigError
+from tpuscore.jobs.spec import JobConfigError
 
 log = logging.getLogger(__name__)
 

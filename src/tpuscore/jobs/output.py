@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from tpuscore.jobs import fingerprints, shards
 from tpuscore.jobs import manifest as manifests
-from tpuscore.jobs.scoring import JobConfigError, RowError
+from tpuscore.jobs.spec import JobConfigError, RowError
 
 
 class ResumeRefused(JobConfigError):
