@@ -10,6 +10,7 @@ from tpuscore import Scorer, ValidationError
 from tpuscore.backends.contract import make_batch
 from tpuscore.backends.packed import packing
 from tpuscore.backends.packed.memory import packed_bytes
+from tpuscore.backends.packed.steps import HEAD_SLOTS, SCORE_PACKED
 from tpuscore.backends.work import logits_bytes
 
 PACKED = ("packed_dense", "packed_segment")
@@ -22,7 +23,7 @@ def test_layout_matches_the_docstring_picture():
     np.testing.assert_array_equal(chunk.tokens, [11, 12, 21, 22, 31, 0, 0, 0])
     np.testing.assert_array_equal(chunk.positions, [0, 1, 2, 3, 2, 0, 0, 0])
     np.testing.assert_array_equal(chunk.seg_start, [0, 0, 2, 2, 4, 5, 6, 7])
-    np.testing.assert_array_equal(chunk.score_index, [3, 1, 4, 0])  # padded to 4 items
+    np.testing.assert_array_equal(chunk.score_index, [3, 1, 4, packing.NO_SLOT])  # 4 slots
     assert chunk.prefix_len == 2
 
 
@@ -96,6 +97,34 @@ def test_a_row_that_would_pad_much_is_split_into_equal_chunks_that_pad_less(scor
     serial = scorer.score(query, items, [1, 2], backend="serial")
     got = scorer.score(query, items, [1, 2], backend=backend)
     np.testing.assert_allclose(got.logprobs, serial.logprobs, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_a_step_with_more_slots_than_items_takes_the_head_over_the_filled_ones(
+    scorers, rng, backend
+):
+    """On a CPU the LM head runs HEAD_SLOTS slots at a time, as many times as the fullest row
+    needs; rows filled to different depths, past one such part, score as serial does."""
+    scorer = scorers("llama3_rope_tied")
+    vocab = scorer.config.vocab_size
+    runner = scorer.get_backend(backend)
+    requests = [  # one step, its rows filled to different depths
+        {"query": random_tokens(rng, 200, vocab), "items": _items(rng, n, vocab, max_len=4)}
+        | {"label_token_ids": rng.choice(vocab, size=2, replace=False).tolist()}
+        for n in (25, 3)
+    ]
+    batches = [make_batch(r["query"], r["items"], r["label_token_ids"], False) for r in requests]
+    (step,) = runner.plan(batches).steps
+    for got, r in zip(scorer.score_batch(requests, backend=backend), requests, strict=True):
+        want = scorer.score(**r, backend="serial").logprobs
+        np.testing.assert_allclose(got.logprobs, want, atol=ATOL, rtol=0)
+    table = runner.steps[SCORE_PACKED]
+    rows, length, slots = step.rows, step.length, runner.slots(step.length)
+    assert len(step.chunks) >= 2 and slots > HEAD_SLOTS
+    args, kwargs = table.zeros((rows, length, slots, 2))
+    hlo = table.function.lower(*args, **kwargs).compile().as_text()
+    head = f"[{rows * HEAD_SLOTS},{vocab}]"  # the head's logits of one part
+    assert head in hlo and f"[{rows * slots},{vocab}]" not in hlo
 
 
 @pytest.mark.parametrize("backend", PACKED)
@@ -248,4 +277,4 @@ def test_pack_lays_out_the_query_and_chosen_items_token_by_token(query, items, d
     np.testing.assert_array_equal(chunk.positions, positions + [0] * len(padding))
     np.testing.assert_array_equal(chunk.seg_start, seg_start + list(padding))
     assert chunk.score_index[: len(rows)].tolist() == score_at and chunk.prefix_len == len(query)
-    assert not chunk.score_index[len(rows) :].any() and chunk.rows.tolist() == rows
+    assert (chunk.score_index[len(rows) :] == packing.NO_SLOT).all() and chunk.rows.tolist() == rows

@@ -28,11 +28,13 @@ import numpy as np
 from tpuscore.backends.buckets import bucket_count
 from tpuscore.backends.contract import ScoreBatch
 
+NO_SLOT = -1  # score_index of a slot no item fills; a row's filled slots come first
+
 
 @attrs.frozen
 class PackedChunk:
     """One packed sequence: tokens, positions and seg_start [T]; score_index [I] (the position
-    whose next token is scored, per item, padded with 0); rows: which batch rows it scores."""
+    whose next token is scored, per item, padded with NO_SLOT); rows: which batch rows it scores."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -57,7 +59,7 @@ def pack(batch: ScoreBatch, rows: np.ndarray, length: int) -> PackedChunk:
     tokens[Q:end] = items[np.arange(items.shape[1]) < lens[:, None]]  # row-major: in order
     seg_start[Q:end] = np.repeat(starts, lens)
     positions[Q:end] = np.arange(Q, end) - seg_start[Q:end] + Q
-    score_index = np.zeros(bucket_count(len(rows)), np.int32)
+    score_index = np.full(bucket_count(len(rows)), NO_SLOT, np.int32)
     score_index[: len(rows)] = ends - 1
     score_index[: len(rows)][lens == 0] = Q - 1  # an empty item: scored after the query
     return PackedChunk(tokens, positions, seg_start, Q, score_index, rows)
@@ -94,7 +96,7 @@ def balanced(batch: ScoreBatch, count: int) -> list[np.ndarray]:
 @attrs.frozen
 class PackedRows:
     """Packed sequences in the batch axis: tokens, positions, seg_start [B, T]; prefix_len [B];
-    score_index [B, I] (padded with 0). Rows past the chunks given are padding."""
+    score_index [B, I] (padded with NO_SLOT). Rows past the chunks given are padding."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -111,7 +113,7 @@ def stack(chunks: Sequence[PackedChunk], rows: int, slots: int) -> PackedRows:
     positions = np.zeros((rows, T), np.int32)
     seg_start = np.broadcast_to(np.arange(T, dtype=np.int32), (rows, T)).copy()
     prefix_len = np.zeros(rows, np.int32)
-    score_index = np.zeros((rows, slots), np.int32)
+    score_index = np.full((rows, slots), NO_SLOT, np.int32)
     for r, chunk in enumerate(chunks):
         tokens[r], positions[r], seg_start[r] = chunk.tokens, chunk.positions, chunk.seg_start
         prefix_len[r] = chunk.prefix_len

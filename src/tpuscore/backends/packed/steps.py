@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tpuscore.backends.packed.packing import NO_SLOT
 from tpuscore.kernels import cpu_attention
 from tpuscore.kernels.cpu_attention import CpuTiles
 from tpuscore.kernels.segment import segment_attention
@@ -22,6 +23,11 @@ from tpuscore.models.weights import Params
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
 SCORE_PACKED = "score_packed"  # its name, as the step table, the shape set and stats give it
+
+# Slots the LM head takes at once on a CPU, where it runs only over the slots items fill: a
+# step has slots for its longest rows' items (SGLang's 10 items get 64) and the head over the
+# full vocabulary is most of the cost of a slot.
+HEAD_SLOTS = 16
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "layout", "interpret"))
@@ -40,7 +46,8 @@ def score_packed(
     adapters: RowAdapters | None = None,
 ) -> jax.Array:
     """Label logprobs [B, I, C] at positions score_index [B, I] of packed rows [B, T], each row
-    with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]).
+    with its own query (prefix_len [B], seg_start [B, T]) and labels (label_ids [B, C]). A slot
+    whose score_index is `packing.NO_SLOT` is padding: its logprobs are undefined.
 
     block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
     whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one;
@@ -83,5 +90,34 @@ def score_packed(
             return o.swapaxes(1, 2)
 
     hidden = decoder.forward(params, config, tokens, positions, attention, adapters)
-    scored = jnp.take_along_axis(hidden, score_index[:, :, None], axis=1)  # [B, I, D]
-    return decoder.row_label_logprobs(params, config, scored, label_ids, adapters)
+    at = jnp.maximum(score_index, 0)[:, :, None]
+    scored = jnp.take_along_axis(hidden, at, axis=1)  # [B, I, D]
+    filled = jnp.sum(score_index != NO_SLOT, axis=1)  # [B]: each row's filled slots come first
+    return _filled_slots_logprobs(params, config, scored, filled, label_ids, adapters)
+
+
+def _filled_slots_logprobs(params, config, scored, filled, label_ids, adapters):
+    """`decoder.row_label_logprobs` of scored [B, I, D]; on a CPU only over the first
+    max(filled) slots, HEAD_SLOTS at a time (the rest of the result is zeros)."""
+    B, slots, _ = scored.shape
+
+    def every_slot():
+        return decoder.row_label_logprobs(params, config, scored, label_ids, adapters)
+
+    if slots <= HEAD_SLOTS:
+        return every_slot()
+
+    def filled_slots():
+        def part(j, out):
+            start = j * HEAD_SLOTS
+            chunk = jax.lax.dynamic_slice_in_dim(scored, start, HEAD_SLOTS, axis=1)
+            logprobs = decoder.row_label_logprobs(params, config, chunk, label_ids, adapters)
+            return jax.lax.dynamic_update_slice_in_dim(out, logprobs, start, axis=1)
+
+        out = jax.eval_shape(every_slot)
+        trips = (jnp.max(filled) + HEAD_SLOTS - 1) // HEAD_SLOTS
+        return jax.lax.fori_loop(0, trips, part, jnp.zeros(out.shape, out.dtype))
+
+    # A loop whose trip count is data asks the host each trip on a GPU; TPUs and GPUs have the
+    # compute to spare.
+    return jax.lax.platform_dependent(cpu=filled_slots, default=every_slot)
