@@ -1,8 +1,10 @@
 """The fused CPU segment kernel (`cpu_attention.segment_attention`): packed rows under the
 shared-prefix segment mask, against the jnp reference `segment_attention_reference` on fresh
-random layouts (windows, GQA, head dims and lengths the kernel's panels do not divide), an
-item's output independent in bits of the other items' contents, and packed_segment running it
-on CPU. Skips where the platform cannot run the kernel, as test_cpu_attention.py does."""
+random layouts (windows, GQA, head dims and lengths the kernel's panels do not divide), its
+bfloat16 dots against the same arithmetic in jnp (`bf16_reference`), an item's output
+independent in bits of the other items' contents, and packed_segment running it on CPU. Skips
+where the platform cannot run the kernel, as test_cpu_attention.py does; the bfloat16 dots'
+tests where the CPU has no AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from tpuscore import Scorer
 from tpuscore.backends.packed import steps as packed_steps
 from tpuscore.kernels import cpu_attention
 from tpuscore.kernels.cpu_attention import CpuTiles
-from tpuscore.kernels.segment.mask import segment_attention_reference
+from tpuscore.kernels.segment.mask import segment_attention_reference, segment_mask
 
 pytestmark = pytest.mark.skipif(cannot_run() is not None, reason=str(cannot_run()))
 
-kernel = jax.jit(cpu_attention.segment_attention, static_argnames=("scale", "softcap"))
+kernel = jax.jit(cpu_attention.segment_attention, static_argnames=("scale", "softcap", "bf16"))
+needs_bf16_dots = pytest.mark.skipif(
+    cannot_run() is None and not cpu_attention.bf16_dots(), reason="this CPU has no AVX-512 BF16"
+)
 
 
 def packed_layout(rng, T: int) -> tuple[int, np.ndarray, list[tuple[int, int]]]:
@@ -59,18 +64,61 @@ def test_it_equals_the_reference_on_random_layouts(case, rng):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_an_items_output_does_not_depend_on_the_other_items_in_bits(rng):
+def bf16_reference(q, k, v, prefix_len, seg_start, window, scale):
+    """The kernel's bfloat16 arithmetic in float32 ops, token-major: q, k, v and the softmax's
+    numerator rounded to bfloat16; its sum, the max and every dot's sum in float32."""
+    bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    hp = jax.lax.Precision.HIGHEST
+    qg = bf16(q).reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, bf16(k), precision=hp) * scale
+    mask = segment_mask(prefix_len, seg_start, T, window)[:, None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    e = jnp.where(mask, jnp.exp(scores - scores.max(axis=-1, keepdims=True)), 0.0)
+    o = jnp.einsum("bkgts,bskh->btkgh", bf16(e), bf16(v), precision=hp)
+    return (o / e.sum(axis=-1).transpose(0, 3, 1, 2)[..., None]).reshape(B, T, N, H)
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("case", range(8))
+def test_its_bfloat16_dots_equal_bfloat16_arithmetic_on_random_layouts(case, rng):
+    """bf16: q, k, v and the softmax's numerator rounded to bfloat16, float32 sums: as
+    `bf16_reference`, the same for bfloat16 inputs, near the float32 kernel."""
+    B, K, G = int(rng.integers(1, 3)), int(rng.choice([1, 2])), int(rng.choice([1, 3]))
+    H = int(rng.choice([24, 64, 128]))
+    T = int(rng.choice([16, 100, 130, 272]))
+    layouts = [packed_layout(rng, T) for _ in range(B)]
+    prefix_len = jnp.asarray([p for p, _, _ in layouts], jnp.int32)
+    seg_start = jnp.asarray(np.stack([s for _, s, _ in layouts]))
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (K * G, K, K))
+    window = jnp.int32(int(rng.integers(1, 40))) if case % 2 else None
+    scale = float(rng.uniform(0.05, 0.3))
+    got = kernel(q, k, v, prefix_len, seg_start, window, scale=scale, bf16=True)
+    want = bf16_reference(q, k, v, prefix_len, seg_start, window, scale)
+    # The kernel's exp and XLA's differ in the last bits, which can round a weight to the
+    # neighbouring bfloat16 (2**-8 of it) in a few rows; every other output is float32-close.
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+    assert np.mean(np.abs(np.asarray(got - want)) <= 2e-5 + 2e-5 * np.abs(want)) > 0.99
+    as_bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]  # bfloat16 inputs: the same dots
+    np.testing.assert_array_equal(kernel(*as_bf16, prefix_len, seg_start, window, scale=scale), got)
+    exact = kernel(q, k, v, prefix_len, seg_start, window, scale=scale)
+    np.testing.assert_allclose(got, exact, atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16_dots)])
+def test_an_items_output_does_not_depend_on_the_other_items_in_bits(rng, bf16):
     T, K, G, H = 160, 2, 3, 64
     prefix_len, seg_start, items = 37, np.zeros(T, np.int32), [(37, 60), (60, 101), (101, 160)]
     for start, stop in items:
         seg_start[start:stop] = start
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, n, H)), jnp.float32) for n in (K * G, K, K))
     args = (jnp.asarray([prefix_len], jnp.int32), jnp.asarray(seg_start[None]), None)
-    before = kernel(q, k, v, *args, scale=0.125)
+    before = kernel(q, k, v, *args, scale=0.125, bf16=bf16)
     others = np.r_[60:160]  # the second and third items' tokens, rewritten
     noise = [jnp.asarray(rng.standard_normal(x[:, others].shape), jnp.float32) for x in (q, k, v)]
     q2, k2, v2 = (x.at[:, others].set(n) for x, n in zip((q, k, v), noise, strict=True))
-    after = kernel(q2, k2, v2, *args, scale=0.125)
+    after = kernel(q2, k2, v2, *args, scale=0.125, bf16=bf16)
     np.testing.assert_array_equal(before[:, :60], after[:, :60])  # the query and the first item
     assert not np.array_equal(before[:, 60:], after[:, 60:])
 
@@ -95,10 +143,38 @@ def test_packed_segment_runs_it_on_cpu_and_scores_as_the_reference(checkpoint_di
     assert cpu_attention.library.SEGMENT_TARGET in lowered
 
 
-def test_bfloat16_attention_and_a_soft_cap_keep_xlas_ops():
-    assert not cpu_attention.segment_kernel_applies(jnp.bfloat16, None)
+@needs_bf16_dots
+@pytest.mark.parametrize("dtype", ["mixed", "bfloat16"])
+def test_packed_segment_runs_its_bfloat16_dots_where_the_weights_are_bfloat16(
+    checkpoint_dir, rng, dtype
+):
+    """mixed and bfloat16 attend through the kernel's bfloat16 dots (bfloat16 fell back to the
+    dense mask before), near the same precision's packed_dense, whose attention XLA runs."""
+    scorer = Scorer.from_pretrained(checkpoint_dir("llama_gqa_untied"), dtype=dtype)
+    backend = scorer.get_backend("packed_segment")
+    assert backend.block_sizes == CpuTiles(bf16=True) and not backend.dense_mask
+    vocab = scorer.config.vocab_size
+    query = rng.integers(0, vocab, 45).tolist()
+    items = [rng.integers(0, vocab, int(rng.integers(1, 20))).tolist() for _ in range(7)]
+    got = scorer.score(query, items, [3, 4], backend="packed_segment").logprobs
+    dense = scorer.score(query, items, [3, 4], backend="packed_dense").logprobs
+    np.testing.assert_allclose(got, dense, atol=0.05, rtol=0)
+    T, model = 64, scorer.engine.model
+    tokens = jnp.zeros((1, T), jnp.int32)
+    lowered = packed_steps.score_packed.lower(
+        model.params, tokens, tokens, jnp.zeros(1, jnp.int32), tokens,
+        jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 2), jnp.int32), config=scorer.config,
+        block_sizes=backend.block_sizes, layout=model.layout, interpret=False,
+    ).as_text()  # fmt: skip
+    assert cpu_attention.library.SEGMENT_TARGET in lowered and "bf16 = true" in lowered
+
+
+def test_a_soft_cap_and_bfloat16_without_its_dots_keep_xlas_ops(monkeypatch):
     assert not cpu_attention.segment_kernel_applies(jnp.float32, 50.0)
     assert cpu_attention.segment_kernel_applies(jnp.float32, None)
+    assert cpu_attention.segment_kernel_applies(jnp.bfloat16, None) == cpu_attention.bf16_dots()
+    monkeypatch.setattr(cpu_attention, "bf16_dots", lambda: False)  # a CPU without AVX-512 BF16
+    assert not cpu_attention.segment_kernel_applies(jnp.bfloat16, None)
     x = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         cpu_attention.segment_attention(

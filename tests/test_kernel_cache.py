@@ -29,6 +29,7 @@ from tpuscore.models import attention
 
 STAND_IN = """
 extern "C" int tpuscore_cpu_supported() { return 1; }
+extern "C" int tpuscore_cpu_bf16_dots() { return 0; }
 extern "C" int TpuscorePrefixAttention() { return 0; }
 extern "C" int TpuscoreSegmentAttention() { return 0; }
 extern "C" int tpuscore_stand_in() { return 42; }

@@ -37,7 +37,11 @@ from tpuscore.kernels import cpu_attention
 from tpuscore.kernels.cpu_attention import CpuTiles
 from tpuscore.kernels.segment.gpu import GpuBlockSizes, tuned_block_sizes
 from tpuscore.kernels.segment.tpu import BlockSizes
-from tpuscore.models.model import Model
+from tpuscore.models.model import MIXED, Model
+
+# The precisions whose packed_segment attention on a CPU has its dots in bfloat16 (where the
+# CPU has AVX-512 BF16): those whose weights are bfloat16.
+BFLOAT16_DOTS = frozenset({"bfloat16", MIXED})
 
 logger = logging.getLogger(__name__)
 # `split_rows`' threshold on an accelerator: an H100 step's fixed cost (~2.5 ms: launch, input
@@ -213,14 +217,15 @@ class PackedDenseBackend(PackedBackend):
 class PackedSegmentBackend(PackedBackend):
     """packed_segment: attention by a segment kernel, which never builds the mask: Pallas on TPU
     and GPU, the fused C++ kernel on CPU (`kernels.cpu_attention`; the dense mask where that
-    cannot run: no AVX-512, bfloat16 attention or a soft-cap)."""
+    cannot run: no AVX-512, bfloat16 attention without AVX-512 BF16, or a soft-cap)."""
 
     @property
     def dense_mask(self) -> bool:
         """Whether attention builds the [T, T] mask: on CPU where the fused kernel cannot run
         (asked when planning, so a backend is built without building the kernel)."""
         if isinstance(self.block_sizes, CpuTiles):
-            return not cpu_attention.available()
+            softcap = self.model.config.attn_logit_softcap
+            return not cpu_attention.segment_kernel_applies(self.model.dtype, softcap)
         return self.block_sizes is None
 
     def __init__(self, model: Model, options: PackedSegmentOptions):
@@ -230,9 +235,10 @@ class PackedSegmentBackend(PackedBackend):
             kind = jax.devices()[0].device_kind
             self.block_sizes = tuned_block_sizes(kind, model.config.head_dim, model.dtype)
         elif self.block_sizes is None and model.platform == "cpu":
-            # The fused CPU kernel where its dtype and scores apply, else the dense mask.
-            if model.dtype == np.float32 and model.config.attn_logit_softcap is None:
-                self.block_sizes = CpuTiles()
+            # The fused CPU kernel where its scores apply (its dots in bfloat16 for the
+            # precisions whose weights are: docs/runtime.md#precision), else the dense mask.
+            if model.config.attn_logit_softcap is None:
+                self.block_sizes = CpuTiles(bf16=model.precision in BFLOAT16_DOTS)
         elif self.block_sizes is None:
             self.block_sizes = BlockSizes()
 

@@ -51,7 +51,8 @@ def score_packed(
 
     block_sizes None attends through a dense [B, T, T] mask; else through the segment kernel
     whose tiles they are (`BlockSizes`: the TPU kernel; `GpuBlockSizes`: the Triton one;
-    `CpuTiles`: the fused CPU kernel, or the dense mask where it does not apply), run on each
+    `CpuTiles`: the fused CPU kernel, its dots in bfloat16 where `CpuTiles.bf16` asks and the
+    CPU has them, or the dense mask where it does not apply), run on each
     device of `layout`'s mesh for its own rows and heads. interpret None runs the kernel
     in Pallas interpret mode where it has no lowering (tests lowering for another platform pass
     False). adapters: each packed row's LoRA adapter (a row holds one query's items), or None.
@@ -68,9 +69,13 @@ def score_packed(
     elif isinstance(block_sizes, CpuTiles):
 
         def attention(q, k, v, layer):
-            if not cpu_attention.segment_kernel_applies(q.dtype, layer.softcap):
+            applies = cpu_attention.segment_kernel_applies(q.dtype, layer.softcap)
+            bf16 = block_sizes.bf16 and applies and cpu_attention.bf16_dots()
+            if not applies or (q.dtype == jnp.bfloat16 or bf16) and q.shape[-1] % 2:
                 return dense(q, k, v, layer)
-            kernel = functools.partial(cpu_attention.segment_attention, scale=layer.scale)
+            kernel = functools.partial(
+                cpu_attention.segment_attention, scale=layer.scale, bf16=bf16
+            )
             window = jnp.int32(NO_WINDOW) if layer.window is None else layer.window
             return layout.over_shards(kernel, heads_axis=2)(q, k, v, prefix_len, seg_start, window)
 

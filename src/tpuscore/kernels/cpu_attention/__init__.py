@@ -1,5 +1,6 @@
-"""Fused CPU attention kernels (C++, AVX-512, XLA FFI calls), float32, where XLA:CPU would run
-two matmuls with the softmax's passes over the scores in memory between them:
+"""Fused CPU attention kernels (C++, AVX-512, XLA FFI calls), float32 (the segment kernel's dots
+also in bfloat16, on AVX-512 BF16), where XLA:CPU would run two matmuls with the softmax's passes
+over the scores in memory between them:
 
 - `prefix_attention`: many rows attending to one shared prefix's K/V, the query-side half of
   prefill_extend's steps (docs/benchmarks.md, "A fused CPU kernel for the attention to the
@@ -53,16 +54,27 @@ def prefix_attention(
 class CpuTiles:
     """packed_segment's `block_sizes` on CPU: the fused segment kernel's blocks, for pricing
     (block_q tokens of rows, each meeting keys in panels of block_kv). Its rows need no padding
-    to whole tiles (tile 1)."""
+    to whole tiles (tile 1). bf16: the kernel rounds q, k and v to bfloat16 and runs their dots
+    on AVX-512 BF16 (`bf16_dots`), float32 sums; the precisions whose weights are bfloat16."""
 
     block_q: int = 16
     block_kv: int = 32
     tile: int = 1
+    bf16: bool = False
+
+
+def bf16_dots() -> bool:
+    """Whether the segment kernel's bfloat16 dots run in this process (it is `available()` and
+    this CPU has AVX-512 BF16)."""
+    return library.bf16_dots()
 
 
 def segment_kernel_applies(dtype, softcap: float | None) -> bool:
-    """Whether `segment_attention` runs for inputs of this dtype and soft-cap in this process."""
-    return dtype == jnp.float32 and softcap is None and available()
+    """Whether `segment_attention` runs for inputs of this dtype and soft-cap in this process:
+    float32, or bfloat16 where its dots run in bfloat16 (`bf16_dots`)."""
+    if softcap is not None or not available():
+        return False
+    return dtype == jnp.float32 or (dtype == jnp.bfloat16 and bf16_dots())
 
 
 def segment_attention(
@@ -74,15 +86,22 @@ def segment_attention(
     window: jax.Array | None,
     scale: float | None,
     softcap: float | None = None,
+    bf16: bool = False,
 ) -> jax.Array:
-    """Attention [B,T,N,H] of q [B,T,N,H] to k/v [B,T,K,H] under the segment mask of prefix_len
-    [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32 scalar, may
-    be traced; None: none), scores scaled by `scale` (None: H ** -0.5). Only where
-    `segment_kernel_applies` (ValueError otherwise: the caller runs its own ops there)."""
+    """Attention [B,T,N,H] (float32) of q [B,T,N,H] to k/v [B,T,K,H] under the segment mask of
+    prefix_len [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32
+    scalar, may be traced; None: none), scores scaled by `scale` (None: H ** -0.5). bf16: q, k
+    and v rounded to bfloat16, their dots on AVX-512 BF16 with float32 sums (bfloat16 inputs
+    always are). Only where `segment_kernel_applies` and, with bf16, `bf16_dots` (ValueError
+    otherwise: the caller runs its own ops there)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     if not all(segment_kernel_applies(x.dtype, softcap) for x in (q, k, v)):
         raise ValueError("the CPU segment kernel needs float32, no soft-cap and AVX-512")
+    bf16 = bf16 or any(x.dtype == jnp.bfloat16 for x in (q, k, v))
+    if bf16 and (H % 2 or not bf16_dots()):
+        raise ValueError("the kernel's bfloat16 dots need an even head dim and AVX-512 BF16")
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))  # bfloat16 widens exactly
     call = jax.ffi.ffi_call(
         library.SEGMENT_TARGET,
         jax.ShapeDtypeStruct((B, T, K, N // K, H), jnp.float32),
@@ -97,5 +116,6 @@ def segment_attention(
         jnp.asarray(seg_start, jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(()),
         scale=np.float32(H**-0.5 if scale is None else scale),
+        bf16=bool(bf16),
     )
     return o.reshape(B, T, N, H)

@@ -57,7 +57,8 @@ DEFAULT_MAX_ENTRIES = 8  # builds for other compilers or jaxlibs beyond these go
 SOURCES = tuple(
     Path(__file__).with_name(f"{name}.cc") for name in ("prefix_attention", "segment_attention")
 )
-HEADERS = (Path(__file__).with_name("common.h"),)  # what the sources include: part of the key
+# what the sources include: part of the key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "bf16_tiles.h"))
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread")
 # FFI target in XLA -> its handler in the library
 TARGETS = {
@@ -66,6 +67,7 @@ TARGETS = {
 }
 PREFIX_TARGET, SEGMENT_TARGET = TARGETS
 SUPPORTED = "tpuscore_cpu_supported"  # whether this CPU runs it
+BF16_DOTS = "tpuscore_cpu_bf16_dots"  # whether this CPU runs the segment kernel's bfloat16 dots
 STALE_SECONDS = 24 * 3600  # a temporary build file no live process can be writing
 WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
@@ -205,7 +207,7 @@ def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
 
 def _open(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
-    for symbol in (*TARGETS.values(), SUPPORTED):
+    for symbol in (*TARGETS.values(), SUPPORTED, BF16_DOTS):
         if not hasattr(library, symbol):
             raise OSError(f"{path} has no symbol {symbol}")
     return library
@@ -301,29 +303,37 @@ _lock = threading.Lock()  # two threads tracing their first steps at once build 
 def registered() -> bool:
     """Whether the kernel is registered with XLA:CPU (compiling it the first time)."""
     with _lock:
-        return _register()
+        return _register() is not None
+
+
+def bf16_dots() -> bool:
+    """Whether the segment kernel's bfloat16 dots (AVX-512 BF16) run in this process."""
+    with _lock:
+        library = _register()
+    return library is not None and bool(getattr(library, BF16_DOTS)())
 
 
 @functools.cache
-def _register() -> bool:
+def _register() -> ctypes.CDLL | None:
+    """The library, loaded and its targets registered; None where the kernel is off."""
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false"):
-        return False
+        return None
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return None
     try:
         cxx = compiler()
     except ValueError as error:
         logger.warning(
             "CXX=%r cannot be split (%s); XLA's ops run instead", os.environ["CXX"], error
         )
-        return False
+        return None
     if cxx is None:
         logger.info("No C++ compiler: the CPU attention kernel is off (XLA's ops run instead).")
-        return False
+        return None
     library = load_library(cxx)
     if library is None or not getattr(library, SUPPORTED)():
-        return False
+        return None
     for target, symbol in TARGETS.items():
         handler = jax.ffi.pycapsule(getattr(library, symbol))
         jax.ffi.register_ffi_target(target, handler, platform="cpu")
-    return True
+    return library

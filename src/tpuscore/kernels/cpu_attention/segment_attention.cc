@@ -12,13 +12,14 @@
 //
 // Layouts (row-major): q [B, T, K, G, H] (K kv heads, G query heads per kv head), k [B, K, H, T],
 // v [B, K, T, H], prefix_len [B], seg_start [B, T], window: int32 scalar (INT32_MAX: none);
-// o [B, T, K, G, H]; attribute scale: the score scale.
+// o [B, T, K, G, H]; attributes scale: the score scale, bf16: q, k and v rounded to bfloat16 and
+// their dots on AVX-512 BF16 (`BlockBf16`; the caller checks the CPU has it).
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "bf16_tiles.h"
 
 namespace {
 
@@ -34,6 +35,13 @@ struct Packed {
   int64_t B, T, K, G, H;
   int64_t window;
   float scale;
+  bool bf16;  // q, k and v rounded to bfloat16, dots on AVX-512 BF16 (`BlockBf16`)
+  // With bf16, k and v as bfloat16 pairs (`PairKeysAndValues`), per batch row and kv head:
+  // key_pairs [H / 2][P] (the pair k[2m][key], k[2m + 1][key]) and value_pairs [P / 2][H] (the
+  // pair v[key][h], v[key + 1][h] for even keys), P: T padded to whole 32-key panels with 0.
+  const uint32_t* key_pairs;
+  const uint32_t* value_pairs;
+  int64_t P;
 };
 
 // Row t's visible keys among c0 .. c0 + 15, as `segment_mask`: causal, the query's keys and its
@@ -57,80 +65,208 @@ inline __mmask16 Visible(int64_t c0, int64_t t, int64_t prefix_len, int64_t seg,
   return causal & (query | own);
 }
 
-// Rows [r0, r0 + kBlockRows) of batch row b's kv head `head` (flat row r = token * G + group).
-// kH: the head dim where it is a compile-time constant (the common ones, for speed), else 0.
-template <int64_t kH>
-void Block(const Packed& x, int64_t b, int64_t head, int64_t r0) {
-  const int64_t H = kH ? kH : x.H, T = x.T;
-  const int count = int(std::min<int64_t>(kBlockRows, T * x.G - r0));
-  const int64_t first_token = r0 / x.G, last = (r0 + count - 1) / x.G;  // the block's tokens
-  const int64_t prefix_len = std::clamp<int64_t>(x.prefix_len[b], 0, T);
+// The keys a block of rows [r0, r0 + count) of batch row b can see, as columns: the query's
+// [0, a_end) then the rows' own segments' [b_start, b_end), each a whole number of 32-key panels.
+struct Span {
+  int count;
+  int64_t last;  // the block's last token
+  int64_t prefix_len, a_end, b_start, b_end;
+  int columns;
+  int64_t key(int64_t column) const { return column < a_end ? column : b_start + column - a_end; }
+  // The value pass's column ranges: keys up to the last row (the rest weigh 0, and past T are
+  // not there), the second range's columns right after the first's panels.
+  std::pair<int64_t, int64_t> a_values() const { return {0, std::min(a_end, last + 1)}; }
+  std::pair<int64_t, int64_t> b_values() const {
+    return {a_end, a_end + std::max<int64_t>(0, last + 1 - b_start)};
+  }
+};
+
+Span SpanOf(const Packed& x, int64_t b, int64_t r0) {
+  const int64_t T = x.T;
+  Span span;
+  span.count = int(std::min<int64_t>(kBlockRows, T * x.G - r0));
+  const int64_t first_token = r0 / x.G;
+  span.last = (r0 + span.count - 1) / x.G;
+  span.prefix_len = std::clamp<int64_t>(x.prefix_len[b], 0, T);
   const int32_t* seg = x.seg_start + b * T;
-  // Keys [0, a_end) then [b_start, b_end), each a whole number of 32-key panels.
-  const int64_t a_end = (std::min(prefix_len, last + 1) + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
-  int64_t lowest = last + 1;  // the smallest key of the rows' own segments
-  for (int64_t t = first_token; t <= last; ++t) lowest = std::min<int64_t>(lowest, std::max<int64_t>(seg[t], 0));
-  const int64_t b_start = std::max(a_end, lowest / kScoreKeys * kScoreKeys);
-  const int64_t b_end = std::max(b_start, (last + 1 + kScoreKeys - 1) / kScoreKeys * kScoreKeys);
-  const int columns = int(a_end + b_end - b_start);
-  auto key = [&](int column) { return column < a_end ? column : b_start + column - a_end; };
-  thread_local std::vector<float> scores, rows, out;
-  scores.resize(size_t(kBlockRows) * columns);
-  rows.resize(kBlockRows * H);
-  out.resize(kBlockRows * H);
-  auto offset = [&](int i) {  // row r0 + i: its offset in q and o, over H
-    const int64_t r = r0 + std::min(i, count - 1);
-    return ((b * T + r / x.G) * x.K + head) * x.G + r % x.G;
-  };
-  for (int i = 0; i < kBlockRows; ++i)  // rows past the end repeat the last; never written
-    for (int64_t h = 0; h < H; ++h) rows[i * H + h] = x.q[offset(i) * H + h] * x.scale;
-  const float* k = x.k + (b * x.K + head) * H * T;
-  const float* v = x.v + (b * x.K + head) * T * H;
-  for (int c0 = 0; c0 < columns; c0 += kScoreKeys)  // one 32-key panel of k in L1 for all rows
-    for (int i0 = 0; i0 < kBlockRows; i0 += kScoreRows)
-      ScoreTile(&rows[i0 * H], H, k, T, key(c0), &scores[i0 * columns], columns, c0);
-  float totals[kBlockRows];
-  for (int i = 0; i < count; ++i) {  // max, exp and sum over the row's visible keys
+  span.a_end = (std::min(span.prefix_len, span.last + 1) + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
+  int64_t lowest = span.last + 1;  // the smallest key of the rows' own segments
+  for (int64_t t = first_token; t <= span.last; ++t)
+    lowest = std::min<int64_t>(lowest, std::max<int64_t>(seg[t], 0));
+  span.b_start = std::max(span.a_end, lowest / kScoreKeys * kScoreKeys);
+  span.b_end = std::max(span.b_start, (span.last + 1 + kScoreKeys - 1) / kScoreKeys * kScoreKeys);
+  span.columns = int(span.a_end + span.b_end - span.b_start);
+  return span;
+}
+
+// Row i of the block (flat row r0 + i = token * G + group): its offset in q and o, over H. Rows
+// past the end repeat the last; never written.
+inline int64_t RowOffset(const Packed& x, int64_t b, int64_t head, int64_t r0, const Span& span,
+                         int i) {
+  const int64_t r = r0 + std::min(i, span.count - 1);
+  return ((b * x.T + r / x.G) * x.K + head) * x.G + r % x.G;
+}
+
+// Scores [count][columns] (scaled) to exp(score - row max) over each row's visible keys, 0
+// elsewhere; totals[i]: row i's sum.
+inline void Softmax(const Packed& x, int64_t b, int64_t r0, const Span& span, float* scores,
+                    float* totals) {
+  const int32_t* seg = x.seg_start + b * x.T;
+  for (int i = 0; i < span.count; ++i) {
     const int64_t t = (r0 + i) / x.G;
-    float* s = &scores[i * columns];
+    float* s = scores + i * span.columns;
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int c0 = 0; c0 < columns; c0 += 16) {
-      const __mmask16 seen = Visible(key(c0), t, prefix_len, seg[t], x.window);
+    for (int c0 = 0; c0 < span.columns; c0 += 16) {
+      const __mmask16 seen = Visible(span.key(c0), t, span.prefix_len, seg[t], x.window);
       top = _mm512_mask_max_ps(top, seen, top, _mm512_loadu_ps(s + c0));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 sum = _mm512_setzero_ps();
-    for (int c0 = 0; c0 < columns; c0 += 16) {
-      const __mmask16 seen = Visible(key(c0), t, prefix_len, seg[t], x.window);
+    for (int c0 = 0; c0 < span.columns; c0 += 16) {
+      const __mmask16 seen = Visible(span.key(c0), t, span.prefix_len, seg[t], x.window);
       const __m512 e = _mm512_maskz_mov_ps(seen, Exp(_mm512_sub_ps(_mm512_loadu_ps(s + c0), shift)));
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(s + c0, e);
     }
     totals[i] = _mm512_reduce_add_ps(sum);
   }
-  // Values only of keys up to the last row (the rest weigh 0, and past T are not there).
-  const int tiles = (count + kValueRows - 1) / kValueRows * kValueRows;
-  const int64_t a_keys = std::min(a_end, last + 1), b_keys = std::max<int64_t>(0, last + 1 - b_start);
-  const std::pair<int64_t, int64_t> ranges[] = {{0, a_keys}, {a_end, a_end + b_keys}};
+}
+
+// o = out / total for the block's rows.
+inline void Write(const Packed& x, int64_t b, int64_t head, int64_t r0, const Span& span,
+                  const float* out, const float* totals, int64_t H) {
+  for (int i = 0; i < span.count; ++i) {
+    float* o = x.o + RowOffset(x, b, head, r0, span, i) * H;
+    const float inverse = 1.0f / totals[i];
+    for (int64_t h = 0; h < H; ++h) o[h] = out[i * H + h] * inverse;
+  }
+}
+
+// Rows [r0, r0 + kBlockRows) of batch row b's kv head `head`, float32.
+// kH: the head dim where it is a compile-time constant (the common ones, for speed), else 0.
+template <int64_t kH>
+void Block(const Packed& x, int64_t b, int64_t head, int64_t r0) {
+  const int64_t H = kH ? kH : x.H, T = x.T;
+  const Span span = SpanOf(x, b, r0);
+  const int columns = span.columns;
+  thread_local std::vector<float> scores, rows, out;
+  scores.resize(size_t(kBlockRows) * columns);
+  rows.resize(kBlockRows * H);
+  out.resize(kBlockRows * H);
+  for (int i = 0; i < kBlockRows; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      rows[i * H + h] = x.q[RowOffset(x, b, head, r0, span, i) * H + h] * x.scale;
+  const float* k = x.k + (b * x.K + head) * H * T;
+  const float* v = x.v + (b * x.K + head) * T * H;
+  for (int c0 = 0; c0 < columns; c0 += kScoreKeys)  // one 32-key panel of k in L1 for all rows
+    for (int i0 = 0; i0 < kBlockRows; i0 += kScoreRows)
+      ScoreTile(&rows[i0 * H], H, k, T, span.key(c0), &scores[i0 * columns], columns, c0);
+  float totals[kBlockRows];
+  Softmax(x, b, r0, span, scores.data(), totals);
+  const int tiles = (span.count + kValueRows - 1) / kValueRows * kValueRows;
   bool first_values = true;
-  for (const auto& [begin, end] : ranges) {
-    const float* values = v + (key(int(begin)) - begin) * H;  // column c's key at row c of this
+  for (const auto& [begin, end] : {span.a_values(), span.b_values()}) {
+    const float* values = v + (span.key(begin) - begin) * H;  // column c's key at row c of this
     for (int64_t c0 = begin; c0 < end; c0 += kValueKeys) {
       ValueBlock(scores.data(), columns, values, H, int(c0), int(std::min(end, c0 + kValueKeys)),
                  tiles, out.data(), first_values);
       first_values = false;
     }
   }
-  for (int i = 0; i < count; ++i) {
-    float* o = x.o + offset(i) * H;
-    const float inverse = 1.0f / totals[i];
-    for (int64_t h = 0; h < H; ++h) o[h] = out[i * H + h] * inverse;
-  }
+  Write(x, b, head, r0, span, out.data(), totals, H);
 }
 
-void Run(const Packed& x, ffi::ThreadPool& pool) {
+// Keys [p0, p0 + 64) of batch row b's kv head `head` into x's key and value pairs (rounded to
+// bfloat16), 0 past T.
+TPUSCORE_BF16 void PairKeysAndValues(const Packed& x, int64_t b, int64_t head, int64_t p0,
+                                     uint32_t* key_pairs, uint32_t* value_pairs) {
+  const int64_t H = x.H, T = x.T, P = x.P, end = std::min<int64_t>(p0 + 64, P);
+  const float* k = x.k + (b * x.K + head) * H * T;
+  const float* v = x.v + (b * x.K + head) * T * H;
+  uint32_t* kp = key_pairs + (b * x.K + head) * (H / 2) * P;
+  uint32_t* vp = value_pairs + (b * x.K + head) * (P / 2) * H;
+  for (int64_t m = 0; m < H / 2; ++m)
+    for (int64_t c = p0; c < end; c += 16) {
+      const __mmask16 lanes = Lanes(T - c);
+      const __m512 even = _mm512_maskz_loadu_ps(lanes, k + 2 * m * T + c);
+      const __m512 odd = _mm512_maskz_loadu_ps(lanes, k + (2 * m + 1) * T + c);
+      _mm512_storeu_si512(kp + m * P + c, Interleave(even, odd));
+    }
+  for (int64_t c = p0; c < end; c += 2)
+    for (int64_t h0 = 0; h0 < H; h0 += 16) {
+      const __mmask16 lanes = Lanes(H - h0);
+      const __m512 even = _mm512_maskz_loadu_ps(c < T ? lanes : 0, v + c * H + h0);
+      const __m512 odd = _mm512_maskz_loadu_ps(c + 1 < T ? lanes : 0, v + (c + 1) * H + h0);
+      _mm512_mask_storeu_epi32(vp + c / 2 * H + h0, lanes, Interleave(even, odd));
+    }
+}
+
+// The same rows with q, k and v rounded to bfloat16 and their dots on AVX-512 BF16 (float32
+// sums, two products a step: q.k over pairs of the head dim, e.v over pairs of keys; e rounded
+// to bfloat16 too, its sum kept in float32). A pair's keys are an even key and the next, so a
+// key's pair, like its lane, never depends on the block.
+template <int64_t kH>
+TPUSCORE_BF16 void BlockBf16(const Packed& x, int64_t b, int64_t head, int64_t r0) {
+  const int64_t H = kH ? kH : x.H, pairs = H / 2, P = x.P;
+  const Span span = SpanOf(x, b, r0);
+  const int columns = span.columns;
+  thread_local std::vector<float> scores, out;
+  thread_local std::vector<uint32_t> rows;
+  thread_local std::vector<uint16_t> weights;
+  scores.resize(size_t(kBlockRows) * columns);
+  out.resize(kBlockRows * H);
+  rows.resize(kBlockRows * pairs);
+  weights.resize(size_t(kBlockRows) * columns);
+  for (int i = 0; i < kBlockRows; ++i)  // q[i] as pairs (q[2m], q[2m + 1])
+    RoundRow(x.q + RowOffset(x, b, head, r0, span, i) * H, H, &rows[i * pairs]);
+  const uint32_t* keys = x.key_pairs + (b * x.K + head) * pairs * P;
+  const uint32_t* values = x.value_pairs + (b * x.K + head) * (P / 2) * H;
+  for (int c0 = 0; c0 < columns; c0 += kScoreKeys)
+    for (int i0 = 0; i0 < kBlockRows; i0 += kScoreRows)
+      ScoreTileBf16(&rows[i0 * pairs], pairs, keys, P, span.key(c0), &scores[i0 * columns],
+                    columns, c0, x.scale);
+  float totals[kBlockRows];
+  Softmax(x, b, r0, span, scores.data(), totals);
+  for (int i = 0; i < span.count; ++i)  // e as bfloat16, in column order
+    for (int c0 = 0; c0 < columns; c0 += 32) {
+      const float* e = &scores[i * columns + c0];
+      _mm512_storeu_si512(&weights[i * columns + c0],
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + 16), _mm512_loadu_ps(e)));
+    }
+  const int tiles = (span.count + kValueRows - 1) / kValueRows * kValueRows;
+  bool first_values = true;
+  for (const auto& [begin, end] : {span.a_values(), span.b_values()}) {
+    // An odd end's last pair takes the next key too, past the last row: its e is 0.
+    const uint32_t* shifted = values + (span.key(begin) - begin) / 2 * H;  // column c at c / 2
+    for (int64_t c0 = begin; c0 < end; c0 += kValueKeys) {
+      ValueBlockBf16(weights.data(), columns, shifted, H, int(c0),
+                     int(std::min(end, c0 + kValueKeys)), tiles, out.data(), first_values);
+      first_values = false;
+    }
+  }
+  Write(x, b, head, r0, span, out.data(), totals, H);
+}
+
+void Run(Packed x, ffi::ThreadPool& pool) {
   void (*block)(const Packed&, int64_t, int64_t, int64_t) =
       x.H == 64 ? Block<64> : x.H == 128 ? Block<128> : x.H == 256 ? Block<256> : Block<0>;
+  std::vector<uint32_t> key_pairs, value_pairs;
+  if (x.bf16) {  // k and v rounded once, not per block of rows
+    block = x.H == 64    ? BlockBf16<64>
+            : x.H == 128 ? BlockBf16<128>
+            : x.H == 256 ? BlockBf16<256>
+                         : BlockBf16<0>;
+    x.P = (x.T + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
+    key_pairs.resize(size_t(x.B * x.K) * (x.H / 2) * x.P);
+    value_pairs.resize(size_t(x.B * x.K) * (x.P / 2) * x.H);
+    x.key_pairs = key_pairs.data();
+    x.value_pairs = value_pairs.data();
+    const int64_t chunks = (x.P + 63) / 64;
+    RunBlocks(pool, x.B * x.K * chunks, [&x, chunks, &key_pairs, &value_pairs](int64_t i) {
+      PairKeysAndValues(x, i / chunks / x.K, i / chunks % x.K, i % chunks * 64, key_pairs.data(),
+                        value_pairs.data());
+    });
+  }
   const int64_t per_head = (x.T * x.G + kBlockRows - 1) / kBlockRows, per_row = x.K * per_head;
   RunBlocks(pool, x.B * per_row, [x, block, per_head, per_row](int64_t i) {
     block(x, i / per_row, i % per_row / per_head, (i % per_head) * kBlockRows);
@@ -140,7 +276,7 @@ void Run(const Packed& x, ffi::ThreadPool& pool) {
 ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> prefix_len,
                             ffi::Buffer<ffi::S32> seg_start, ffi::Buffer<ffi::S32> window,
-                            ffi::ResultBuffer<ffi::F32> o, float scale) {
+                            ffi::ResultBuffer<ffi::F32> o, float scale, bool bf16) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[2] ||
       kd[2] != qd[4] || kd[3] != qd[1] || vd[0] != qd[0] || vd[1] != qd[2] || vd[2] != qd[1] ||
@@ -149,9 +285,11 @@ ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::InvalidArgument(
         "q must be [B, T, K, G, H], k [B, K, H, T], v [B, K, T, H], prefix_len [B] and "
         "seg_start [B, T]");
+  if (bf16 && (qd[4] % 2 != 0 || !__builtin_cpu_supports("avx512bf16")))
+    return ffi::Error::InvalidArgument("bfloat16 dots need an even head dim and AVX-512 BF16");
   Packed x{q.typed_data(), k.typed_data(), v.typed_data(), prefix_len.typed_data(),
            seg_start.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], qd[3], qd[4],
-           window.typed_data()[0], scale};
+           window.typed_data()[0], scale, bf16, nullptr, nullptr, 0};
   if (x.B * x.T * x.K > 0) Run(x, pool);
   return ffi::Error::Success();
 }
@@ -168,4 +306,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpuscoreSegmentAttention, SegmentAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("bf16"));
+
+// Whether this CPU runs the kernel's bfloat16 dots (`bf16`).
+extern "C" int tpuscore_cpu_bf16_dots() { return __builtin_cpu_supports("avx512bf16"); }
