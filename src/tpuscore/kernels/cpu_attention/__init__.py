@@ -88,11 +88,11 @@ def segment_attention(
     softcap: float | None = None,
     bf16: bool = False,
 ) -> jax.Array:
-    """Attention [B,T,N,H] (float32) of q [B,T,N,H] to k/v [B,T,K,H] under the segment mask of
-    prefix_len [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32
-    scalar, may be traced; None: none), scores scaled by `scale` (None: H ** -0.5). bf16: q, k
-    and v rounded to bfloat16, their dots on AVX-512 BF16 with float32 sums (bfloat16 inputs
-    always are). Only where `segment_kernel_applies` and, with bf16, `bf16_dots` (ValueError
+    """Attention [B,T,N,H] of q [B,T,N,H] to k/v [B,T,K,H] under the segment mask of prefix_len
+    [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32 scalar, may
+    be traced; None: none), scores scaled by `scale` (None: H ** -0.5), in float32. bf16: q, k
+    and v rounded to bfloat16, their dots on AVX-512 BF16 with float32 sums, the result rounded
+    to bfloat16 (bfloat16 inputs always are). Only where `segment_kernel_applies` and, with bf16, `bf16_dots` (ValueError
     otherwise: the caller runs its own ops there)."""
     B, T, N, H = q.shape
     K = k.shape[2]
@@ -104,14 +104,16 @@ def segment_attention(
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))  # bfloat16 widens exactly
     call = jax.ffi.ffi_call(
         library.SEGMENT_TARGET,
-        jax.ShapeDtypeStruct((B, T, K, N // K, H), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, K, N // K, H), jnp.bfloat16 if bf16 else jnp.float32),
         vmap_method="sequential",
     )
     window = jnp.iinfo(jnp.int32).max if window is None else window
+    if not bf16:  # the float32 dots read key panels and values contiguous per kv head
+        k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, K, H, T], [B, K, T, H]
     o = call(
         q.reshape(B, T, K, N // K, H),
-        k.transpose(0, 2, 3, 1),  # [B, K, H, T]: a key panel is contiguous
-        v.transpose(0, 2, 1, 3),  # [B, K, T, H]
+        k,
+        v,
         jnp.asarray(prefix_len, jnp.int32),
         jnp.asarray(seg_start, jnp.int32),
         jnp.asarray(window, jnp.int32).reshape(()),

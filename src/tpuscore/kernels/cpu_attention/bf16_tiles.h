@@ -12,7 +12,7 @@
 
 #include "common.h"
 
-#define TPUSCORE_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define TPUSCORE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace tpuscore_cpu {
 

@@ -12,8 +12,9 @@
 //
 // Layouts (row-major): q [B, T, K, G, H] (K kv heads, G query heads per kv head), k [B, K, H, T],
 // v [B, K, T, H], prefix_len [B], seg_start [B, T], window: int32 scalar (INT32_MAX: none);
-// o [B, T, K, G, H]; attributes scale: the score scale, bf16: q, k and v rounded to bfloat16 and
-// their dots on AVX-512 BF16 (`BlockBf16`; the caller checks the CPU has it).
+// o [B, T, K, G, H] float32; attributes scale: the score scale, bf16: q, k and v rounded to
+// bfloat16 and their dots on AVX-512 BF16 (`BlockBf16`; the caller checks the CPU has it), k and
+// v then token-major [B, T, K, H] (the kernel pairs them itself) and o bfloat16.
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -31,11 +32,13 @@ struct Packed {
   const float* v;
   const int32_t* prefix_len;
   const int32_t* seg_start;
-  float* o;
+  void* o;  // float, or with bf16 the bfloat16 bits (uint16_t)
   int64_t B, T, K, G, H;
   int64_t window;
   float scale;
-  bool bf16;  // q, k and v rounded to bfloat16, dots on AVX-512 BF16 (`BlockBf16`)
+  // q, k and v rounded to bfloat16, dots on AVX-512 BF16 (`BlockBf16`): then k and v are
+  // token-major, [B, T, K, H], and o is bfloat16.
+  bool bf16;
   // With bf16, k and v as bfloat16 pairs (`PairKeysAndValues`), per batch row and kv head:
   // key_pairs [H / 2][P] (the pair k[2m][key], k[2m + 1][key]) and value_pairs [P / 2][H] (the
   // pair v[key][h], v[key + 1][h] for even keys), P: T padded to whole 32-key panels with 0.
@@ -136,7 +139,7 @@ inline void Softmax(const Packed& x, int64_t b, int64_t r0, const Span& span, fl
 inline void Write(const Packed& x, int64_t b, int64_t head, int64_t r0, const Span& span,
                   const float* out, const float* totals, int64_t H) {
   for (int i = 0; i < span.count; ++i) {
-    float* o = x.o + RowOffset(x, b, head, r0, span, i) * H;
+    float* o = static_cast<float*>(x.o) + RowOffset(x, b, head, r0, span, i) * H;
     const float inverse = 1.0f / totals[i];
     for (int64_t h = 0; h < H; ++h) o[h] = out[i * H + h] * inverse;
   }
@@ -176,27 +179,28 @@ void Block(const Packed& x, int64_t b, int64_t head, int64_t r0) {
   Write(x, b, head, r0, span, out.data(), totals, H);
 }
 
-// Keys [p0, p0 + 64) of batch row b's kv head `head` into x's key and value pairs (rounded to
-// bfloat16), 0 past T.
+// Keys [p0, p0 + 64) of batch row b's kv head `head` (k and v token-major) into x's key and
+// value pairs (rounded to bfloat16), 0 past T.
 TPUSCORE_BF16 void PairKeysAndValues(const Packed& x, int64_t b, int64_t head, int64_t p0,
                                      uint32_t* key_pairs, uint32_t* value_pairs) {
   const int64_t H = x.H, T = x.T, P = x.P, end = std::min<int64_t>(p0 + 64, P);
-  const float* k = x.k + (b * x.K + head) * H * T;
-  const float* v = x.v + (b * x.K + head) * T * H;
+  auto at = [&](const float* base, int64_t key) { return base + ((b * T + key) * x.K + head) * H; };
   uint32_t* kp = key_pairs + (b * x.K + head) * (H / 2) * P;
   uint32_t* vp = value_pairs + (b * x.K + head) * (P / 2) * H;
-  for (int64_t m = 0; m < H / 2; ++m)
-    for (int64_t c = p0; c < end; c += 16) {
-      const __mmask16 lanes = Lanes(T - c);
-      const __m512 even = _mm512_maskz_loadu_ps(lanes, k + 2 * m * T + c);
-      const __m512 odd = _mm512_maskz_loadu_ps(lanes, k + (2 * m + 1) * T + c);
-      _mm512_storeu_si512(kp + m * P + c, Interleave(even, odd));
+  uint32_t pairs[256];  // one key's H / 2 pairs (H <= 512)
+  for (int64_t c = p0; c < end; ++c) {  // k[c] as pairs, stored key-minor: kp[m][c]
+    if (c < T) {
+      RoundRow(at(x.k, c), H, pairs);
+    } else {
+      std::fill(pairs, pairs + H / 2, 0u);
     }
+    for (int64_t m = 0; m < H / 2; ++m) kp[m * P + c] = pairs[m];
+  }
   for (int64_t c = p0; c < end; c += 2)
     for (int64_t h0 = 0; h0 < H; h0 += 16) {
       const __mmask16 lanes = Lanes(H - h0);
-      const __m512 even = _mm512_maskz_loadu_ps(c < T ? lanes : 0, v + c * H + h0);
-      const __m512 odd = _mm512_maskz_loadu_ps(c + 1 < T ? lanes : 0, v + (c + 1) * H + h0);
+      const __m512 even = _mm512_maskz_loadu_ps(c < T ? lanes : 0, at(x.v, c) + h0);
+      const __m512 odd = _mm512_maskz_loadu_ps(c + 1 < T ? lanes : 0, at(x.v, c + 1) + h0);
       _mm512_mask_storeu_epi32(vp + c / 2 * H + h0, lanes, Interleave(even, odd));
     }
 }
@@ -244,7 +248,15 @@ TPUSCORE_BF16 void BlockBf16(const Packed& x, int64_t b, int64_t head, int64_t r
       first_values = false;
     }
   }
-  Write(x, b, head, r0, span, out.data(), totals, H);
+  for (int i = 0; i < span.count; ++i) {  // o = out / total, rounded to bfloat16
+    uint16_t* o = static_cast<uint16_t*>(x.o) + RowOffset(x, b, head, r0, span, i) * H;
+    const __m512 inverse = _mm512_set1_ps(1.0f / totals[i]);
+    for (int64_t h0 = 0; h0 < H; h0 += 16) {
+      const __mmask16 lanes = Lanes(H - h0);
+      const __m512 value = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, &out[i * H + h0]), inverse);
+      _mm256_mask_storeu_epi16(o + h0, lanes, (__m256i)_mm512_cvtneps_pbh(value));
+    }
+  }
 }
 
 void Run(Packed x, ffi::ThreadPool& pool) {
@@ -276,19 +288,25 @@ void Run(Packed x, ffi::ThreadPool& pool) {
 ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> prefix_len,
                             ffi::Buffer<ffi::S32> seg_start, ffi::Buffer<ffi::S32> window,
-                            ffi::ResultBuffer<ffi::F32> o, float scale, bool bf16) {
+                            ffi::Result<ffi::AnyBuffer> o, float scale, bool bf16) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[2] ||
-      kd[2] != qd[4] || kd[3] != qd[1] || vd[0] != qd[0] || vd[1] != qd[2] || vd[2] != qd[1] ||
-      vd[3] != qd[4] || prefix_len.element_count() != qd[0] ||
-      seg_start.element_count() != qd[0] * qd[1])
+  const int64_t B = qd.size() == 5 ? qd[0] : 0, T = B ? qd[1] : 0, K = B ? qd[2] : 0;
+  const int64_t H = B ? qd[4] : 0;
+  const bool k_ok = kd.size() == 4 && (bf16 ? kd[0] == B && kd[1] == T && kd[2] == K && kd[3] == H
+                                            : kd[0] == B && kd[1] == K && kd[2] == H && kd[3] == T);
+  const bool v_ok = vd.size() == 4 && (bf16 ? vd[0] == B && vd[1] == T && vd[2] == K && vd[3] == H
+                                            : vd[0] == B && vd[1] == K && vd[2] == T && vd[3] == H);
+  if (qd.size() != 5 || !k_ok || !v_ok || prefix_len.element_count() != B ||
+      seg_start.element_count() != B * T ||
+      o->element_type() != (bf16 ? ffi::DataType::BF16 : ffi::DataType::F32))
     return ffi::Error::InvalidArgument(
-        "q must be [B, T, K, G, H], k [B, K, H, T], v [B, K, T, H], prefix_len [B] and "
-        "seg_start [B, T]");
-  if (bf16 && (qd[4] % 2 != 0 || !__builtin_cpu_supports("avx512bf16")))
-    return ffi::Error::InvalidArgument("bfloat16 dots need an even head dim and AVX-512 BF16");
+        "q must be [B, T, K, G, H], k [B, K, H, T], v [B, K, T, H] (with bf16: both [B, T, K, "
+        "H]), prefix_len [B], seg_start [B, T] and o float32 (with bf16: bfloat16)");
+  if (bf16 && (H % 2 != 0 || H > 512 || !__builtin_cpu_supports("avx512bf16")))
+    return ffi::Error::InvalidArgument(
+        "bfloat16 dots need an even head dim up to 512 and AVX-512 BF16");
   Packed x{q.typed_data(), k.typed_data(), v.typed_data(), prefix_len.typed_data(),
-           seg_start.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], qd[3], qd[4],
+           seg_start.typed_data(), o->untyped_data(), B, T, K, qd[3], H,
            window.typed_data()[0], scale, bf16, nullptr, nullptr, 0};
   if (x.B * x.T * x.K > 0) Run(x, pool);
   return ffi::Error::Success();
@@ -305,7 +323,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpuscoreSegmentAttention, SegmentAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<bool>("bf16"));
 
