@@ -8,6 +8,7 @@ from tpuscore.backends.buckets import (
     MIN_LABEL_BUCKET,
     MIN_TOKEN_BUCKET,
     bucket_count,
+    bucket_packed_tokens,
     bucket_tokens,
 )
 from tpuscore.backends.contract import make_batch
@@ -18,6 +19,15 @@ def test_token_buckets_hold_n_with_at_most_a_third_padding(n):
     b = bucket_tokens(n)
     assert b >= max(n, 1)
     assert b == MIN_TOKEN_BUCKET or b <= 1.5 * n
+
+
+@pytest.mark.parametrize("n", [1, 100, 256, 257, 400, 449, 1000, 2050, 3000])
+def test_packed_rows_past_256_tokens_pad_at_most_a_ninth_on_a_cpu(n):
+    fine = bucket_packed_tokens(n, fine=True)
+    assert fine >= n and (fine <= 256 or fine <= n * 9 / 8)
+    assert fine <= bucket_tokens(n, fine=True)  # never coarser than the token ladder
+    assert bucket_packed_tokens(n) == bucket_tokens(n)  # accelerators: the coarse ladder
+    assert bucket_packed_tokens(400, fine=True) == 416  # SGLang's row: 448 on the token ladder
 
 
 def test_count_buckets_are_powers_of_two():

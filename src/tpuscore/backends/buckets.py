@@ -28,6 +28,19 @@ def bucket_tokens(n: int, minimum: int = MIN_TOKEN_BUCKET, *, fine: bool = False
     return size
 
 
+def bucket_packed_tokens(n: int, *, fine: bool = False) -> int:
+    """Packed-row lengths: `bucket_tokens`; fine, past 256, eight steps to each doubling (288,
+    320, 352, ..., at most a ninth padding). A packed row's padding is paid by every layer's
+    matmuls (SGLang's 400-token row ran in 448), and a packed length adds few shapes: one per
+    row count and label width."""
+    if not fine or n <= 256:
+        return bucket_tokens(n, fine=fine)
+    size = 256
+    while size < n:
+        size += pow2_floor(size) // 8
+    return size
+
+
 def bucket_item_tokens(n: int, *, fine: bool = False) -> int:
     """Item-length buckets: multiples of 4 up to 32, then `bucket_tokens` (fine: its fine
     ladder). Items are short and each padding token pays attention to the whole query: 20
@@ -53,6 +66,10 @@ class PlatformBuckets:
     def token_bucket(self, n: int) -> int:
         """`bucket_tokens` of n on this model's platform's ladder."""
         return bucket_tokens(n, fine=fine_ladder(self.model.platform))
+
+    def packed_bucket(self, n: int) -> int:
+        """`bucket_packed_tokens` of n on this model's platform's ladder."""
+        return bucket_packed_tokens(n, fine=fine_ladder(self.model.platform))
 
     def item_bucket(self, n: int) -> int:
         """`bucket_item_tokens` of n on this model's platform's ladder."""

@@ -115,9 +115,9 @@ class PackedPlanning(PlatformBuckets):
         return sum(lengths) if max(lengths) <= self.max_tokens else float("inf")
 
     def bucket(self, tokens: int) -> int:
-        """The packed length that `tokens` real tokens are padded to: a token bucket on this
-        model's platform's ladder (`fine_ladder`)."""
-        return self.token_bucket(tokens)
+        """The packed length that `tokens` real tokens are padded to: a packed-row bucket on
+        this model's platform's ladder (`bucket_packed_tokens`, `fine_ladder`)."""
+        return self.packed_bucket(tokens)
 
     def rows(self, length: int) -> int:
         """Packed rows per step at this length whose memory fits the budget on each device."""
