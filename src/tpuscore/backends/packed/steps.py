@@ -71,7 +71,8 @@ def score_packed(
         def attention(q, k, v, layer):
             applies = cpu_attention.segment_kernel_applies(q.dtype, layer.softcap)
             bf16 = block_sizes.bf16 and applies and cpu_attention.bf16_dots()
-            if not applies or (q.dtype == jnp.bfloat16 or bf16) and q.shape[-1] % 2:
+            odd_pairs = (q.dtype == jnp.bfloat16 or bf16) and q.shape[-1] % 2  # pairs need even H
+            if not applies or odd_pairs:
                 return dense(q, k, v, layer)
             kernel = functools.partial(
                 cpu_attention.segment_attention, scale=layer.scale, bf16=bf16

@@ -92,8 +92,8 @@ def segment_attention(
     [B] and seg_start [B,T] (`segment.mask.segment_mask`), cut to `window` (an int32 scalar, may
     be traced; None: none), scores scaled by `scale` (None: H ** -0.5), in float32. bf16: q, k
     and v rounded to bfloat16, their dots on AVX-512 BF16 with float32 sums, the result rounded
-    to bfloat16 (bfloat16 inputs always are). Only where `segment_kernel_applies` and, with bf16, `bf16_dots` (ValueError
-    otherwise: the caller runs its own ops there)."""
+    to bfloat16 (bfloat16 inputs always are). Only where `segment_kernel_applies` and, with
+    bf16, `bf16_dots` (ValueError otherwise: the caller runs its own ops there)."""
     B, T, N, H = q.shape
     K = k.shape[2]
     if not all(segment_kernel_applies(x.dtype, softcap) for x in (q, k, v)):
