@@ -25,8 +25,9 @@ def test_the_documented_layout():
     np.testing.assert_array_equal(chunk.tokens, [Q0, Q1, A0, A1, B0, 0, 0, 0])
     np.testing.assert_array_equal(chunk.positions, [0, 1, 2, 3, 2, 0, 0, 0])
     np.testing.assert_array_equal(chunk.seg_start, [0, 0, 2, 2, 4, 5, 6, 7])
-    # a is scored at its last token, the empty item at the query's last, b at its own; 4 slots.
-    np.testing.assert_array_equal(chunk.score_index, [3, 1, 4, 0])
+    # a is scored at its last token, the empty item at the query's last, b at its own; 4 slots,
+    # the last one unfilled.
+    np.testing.assert_array_equal(chunk.score_index, [3, 1, 4, packing.NO_SLOT])
     assert chunk.prefix_len == 2 and chunk.rows.tolist() == [0, 1, 2]
     assert mask(chunk.prefix_len, chunk.seg_start) == "\n".join(
         [
@@ -75,5 +76,6 @@ def test_stack_puts_chunks_in_rows_and_pads_the_rest():
     np.testing.assert_array_equal(rows.positions, [[0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 0, 0]])
     np.testing.assert_array_equal(rows.seg_start, [[0, 0, 2, 3], [0, 0, 2, 2], [0, 1, 2, 3]])
     np.testing.assert_array_equal(rows.prefix_len, [2, 2, 0])
-    np.testing.assert_array_equal(rows.score_index, [[2, 0], [3, 0], [0, 0]])
+    none = packing.NO_SLOT  # an unfilled slot, and every slot of a padding row
+    np.testing.assert_array_equal(rows.score_index, [[2, none], [3, none], [none, none]])
     assert mask(0, rows.seg_start[2]) == "x...\n.x..\n..x.\n...x"  # padding sees itself only
