@@ -176,7 +176,8 @@ def test_mixed_weights_keep_the_model_axis_as_bits(params, requests):
     assert held["wq"].sharding.is_equivalent_to(spec, 4)
     assert given["wq"].sharding.is_equivalent_to(spec, 4)
     unsharded = Scorer(CONFIG, params, None, dtype="mixed")
-    for backend in ("serial", "prefill_extend", "packed_dense"):
+    # packed_segment on a CPU with AVX-512 BF16: the kernel's bfloat16 dots, each device its heads
+    for backend in ("serial", "prefill_extend", "packed_dense", "packed_segment"):
         got = scorer.score_batch(requests, backend=backend)
         want = unsharded.score_batch(requests, backend=backend)
         diffs = np.concatenate(
