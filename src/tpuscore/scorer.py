@@ -22,9 +22,7 @@ from tpuscore.engine import building, executables, selection
 from tpuscore.engine.building import Adapters, BackendOptions, Profile
 from tpuscore.engine.shapes import Limits, StepShape
 from tpuscore.engine.warmup import Warmed
-from tpuscore.models import loaders
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.loaders import orbax
 from tpuscore.models.weights import Params
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import loglikelihood, prompt_logprobs
@@ -67,22 +65,19 @@ class Scorer:
     ) -> Scorer:  # fmt: skip
         """A scorer on a Hugging Face directory or hub id, a .gguf file, a `save` directory or
         None (the embedded SmolLM2-135M-Instruct); docs/api.md lists the arguments and errors."""
-        config, params, tokenizer = building.load(
-            model, dtype=dtype, mesh=mesh, devices=devices,
-            compilation_cache_dir=compilation_cache_dir, revision=revision,
-            local_files_only=local_files_only, cache_dir=cache_dir,
+        scorer = cls.__new__(cls)  # on an engine built from the checkpoint, not from params
+        scorer.engine = building.from_checkpoint(
+            model, dtype=dtype, backend=backend, backend_options=backend_options,
+            revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
+            compilation_cache_dir=compilation_cache_dir, profile=profile, mesh=mesh,
+            devices=devices, batch_invariant=batch_invariant, score_calibration=score_calibration,
+            executables_guard=executables_guard, adapters=adapters, limits=limits,
         )  # fmt: skip
-        return cls(
-            config, params, tokenizer, dtype=dtype, backend=backend, adapters=adapters,
-            backend_options=backend_options, profile=profile, mesh=mesh, devices=devices,
-            batch_invariant=batch_invariant, executables_guard=executables_guard,
-            score_calibration=score_calibration, model_name=loaders.model_name(model),
-            limits=limits,
-        )  # fmt: skip
+        return scorer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write an Orbax checkpoint that `from_pretrained(path)` restores exactly."""
-        orbax.save(path, self.config, self.params, self.tokenizer)
+        building.save(self.engine, path)
 
     def score(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,

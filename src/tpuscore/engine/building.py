@@ -1,7 +1,7 @@
-"""An `Engine` from a parameter tree or a checkpoint: what `Scorer`'s constructors do beneath
-the facade. The sharding layout, the model in its precision with its LoRA adapters and the
-device profile for `build`; the compilation cache and the loader, reading straight into the
-mesh's layout, for `load`."""
+"""An `Engine` from a parameter tree or a checkpoint, and back to one: what `Scorer`'s
+constructors and `save` do beneath the facade. The sharding layout, the model in its precision
+with its LoRA adapters and the device profile for `build`; the compilation cache and the loader,
+reading straight into the mesh's layout, for `load`; both for `from_checkpoint`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tpuscore.engine.runner import Engine
 from tpuscore.models import loaders
 from tpuscore.models.adapters import LoraAdapter, load_adapters
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import orbax
 from tpuscore.models.model import Model, base_dtype, resolve_precision
 from tpuscore.models.weights import Params
 from tpuscore.parallel import sharding
@@ -56,3 +57,24 @@ def load(
         model, dtype=base_dtype(resolve_precision(dtype)),
         layout_for=lambda c: sharding.make_layout(c, mesh, devices), **loader_options,
     )  # fmt: skip
+
+
+def from_checkpoint(
+    model: str | os.PathLike | None, *, revision: str | None = None,
+    local_files_only: bool = False, cache_dir: str | os.PathLike | None = None,
+    compilation_cache_dir: str | os.PathLike | None = None, **options: Any,
+) -> Engine:  # fmt: skip
+    """`build` on what `load` reads from `model` (`Scorer.from_pretrained`'s argument), named
+    for servers by `loaders.model_name`; options: `build`'s (dtype, mesh and devices `load`'s
+    too)."""
+    config, params, tokenizer = load(
+        model, dtype=options.get("dtype"), mesh=options.get("mesh"),
+        devices=options.get("devices"), compilation_cache_dir=compilation_cache_dir,
+        revision=revision, local_files_only=local_files_only, cache_dir=cache_dir,
+    )  # fmt: skip
+    return build(config, params, tokenizer, model_name=loaders.model_name(model), **options)
+
+
+def save(engine: Engine, path: str | os.PathLike) -> None:
+    """Write the engine's model as an Orbax checkpoint that `from_checkpoint(path)` restores."""
+    orbax.save(path, engine.model.config, engine.model.weights, engine.tokenizer)
