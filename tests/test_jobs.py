@@ -190,7 +190,7 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
     with pytest.raises(JobConfigError) as bad:  # " yes" is three tokens here
         score_table(tmp_path / "pairs.parquet", tmp_path / "a.parquet", labels=[" yes"], **common)
     assert bad.value.param == "labels"
-    assert (tmp_path / "a.parquet.errors.jsonl").read_text() == ""  # a job's error, not rows'
+    assert not (tmp_path / "a.parquet.errors.jsonl").exists()  # a job's error, not rows'
     with pytest.raises(JobConfigError) as missing:
         score_table(
             tmp_path / "pairs.parquet", tmp_path / "b.parquet", id_columns=["nope"], **common
@@ -200,6 +200,20 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
         score_table(
             tmp_path / "pairs.parquet", tmp_path / "c", template="plain", labels=LABELS, **common
         )
+
+
+def test_a_refused_setting_leaves_no_output_to_resume(scorer, rng, tmp_path):
+    """A job-wide label every row would fail on is refused before the output is opened, so the
+    corrected command starts the job instead of being refused as another job's resume."""
+    pq.write_table(pairs_table(rng, 5), tmp_path / "pairs.parquet")
+    common = dict(scorer=scorer, query_column="user_text", item_column="item_text")
+    for bad in ([" yes", " no"], [b"a", b"b"]):  # three tokens; not text
+        with pytest.raises(JobConfigError) as refused:
+            score_table(tmp_path / "pairs.parquet", tmp_path / "out", labels=bad, **common)
+        assert refused.value.param.startswith("labels")
+        assert not (tmp_path / "out.manifest.json").exists()
+    summary = score_table(tmp_path / "pairs.parquet", tmp_path / "out", labels=LABELS, **common)
+    assert summary.rows == 5 and not summary.resumed_rows
 
 
 class Interrupted(Exception):

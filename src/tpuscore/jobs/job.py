@@ -28,7 +28,7 @@ import pyarrow as pa
 from tpuscore.api.calibration import Calibration
 from tpuscore.jobs import calibrated, fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
-from tpuscore.jobs.scoring import score_rows
+from tpuscore.jobs.scoring import check_options, score_rows
 from tpuscore.jobs.spec import JobConfigError, Spec, classes_of
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
@@ -193,6 +193,7 @@ def score_table(
     layout = spec.layout(
         table.schema, classes_of(scorer), calibrated=scorer.score_calibration is not None
     )
+    check_options(scorer, layout)  # before the output is opened: the fixed command starts anew
     fitted: Calibration | None = calibrated.checked(scorer, layout)
     in_fs, in_path = filesystem(input)
     settings = _jsonable(

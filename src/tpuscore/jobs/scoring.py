@@ -120,6 +120,21 @@ def score_rows(
     return Scored(pa.table(columns), failed, rejected, backends)
 
 
+def check_options(scorer: Any, layout: Layout) -> None:
+    """Refuse the options the job sets for every row (its labels, suffix, truncation) before a
+    row is read or an output opened: a request of no items meets each option's check (with
+    labels per row, under a stand-in label for the rows' own).
+
+    Raises:
+        JobConfigError: an option the scorer refuses, with its code and param.
+    """
+    own_labels = {"label_token_ids": [0]} if layout.label_names is None else {}
+    try:
+        scorer.prepare([], [], **own_labels, **layout.options)
+    except ValidationError as e:
+        raise JobConfigError(e.code, str(e), e.param) from None
+
+
 def _row_error(layout: Layout, batch, first_row: int, row: int, e: ValidationError) -> RowError:
     """The `RowError` of a batch's row: its number, its ids as JSON values, the error."""
     ids = {c: values.to_json(batch.column(c).slice(row, 1))[0] for c in layout.id_columns}
