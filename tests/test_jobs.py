@@ -381,6 +381,15 @@ def test_id_columns_that_collide_with_the_output_are_refused(id_columns, classes
     assert repr(id_columns[-1]) in str(refused.value)
 
 
+def test_id_columns_given_as_one_string_are_refused():
+    """A lone string is not read as its characters: "ab" would silently carry columns a and b."""
+    from tpuscore.jobs import Spec
+
+    with pytest.raises(JobConfigError) as refused:
+        Spec(id_columns="ab", labels=LABELS)
+    assert (refused.value.code, refused.value.param) == ("invalid_argument", "id_columns")
+
+
 def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
     table = pa.table({"row": [1, 2], "query": ["a b", "c"], "item": ["d", "e"]})
     pq.write_table(table, tmp_path / "pairs.parquet")

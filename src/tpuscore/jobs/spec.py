@@ -49,15 +49,19 @@ class RowFailed(Exception):
         self.error = error
 
 
-def _optional_tuple(value: Any) -> tuple | None:
+def _optional_tuple(value: Any, param: str = "labels") -> tuple | None:
     """A list of labels as a tuple; a lone string is refused (it would become its characters)."""
     if value is None:
         return None
     if isinstance(value, str | bytes):
         raise JobConfigError(
-            "invalid_argument", f"labels must be a list, got the string {value!r}", "labels"
+            "invalid_argument", f"{param} must be a list, got the string {value!r}", param
         )
     return tuple(value)
+
+
+def _id_columns(value: Any) -> tuple[str, ...]:
+    return _optional_tuple(value, "id_columns") or ()
 
 
 @attrs.frozen(kw_only=True)
@@ -80,7 +84,7 @@ class Spec:
 
     query_column: str = "query"
     item_column: str | None = None
-    id_columns: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    id_columns: tuple[str, ...] = attrs.field(default=(), converter=_id_columns)
     labels: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple)
     label_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple)
     template: str | None = None
