@@ -311,6 +311,32 @@ def test_fsspec_urls_and_csv(scorer, rng, tmp_path):
     np.testing.assert_allclose([o["logprob_b"] for o in lines], expected[:, 1], atol=1e-5)
 
 
+def _jsonl_whose_item_turns_a_number(path):
+    """Past pyarrow's first 1 MB block, where the column types were inferred."""
+    lines = [json.dumps({"query": "the mill", "item": f"bread {i}"}) for i in range(30000)]
+    path.write_text("\n".join([*lines, json.dumps({"query": "the", "item": 5})]) + "\n")
+
+
+@pytest.mark.parametrize(
+    "name, write",
+    [
+        ("garbage.parquet", lambda p: p.write_bytes(b"PAR1 not parquet PAR1")),
+        ("empty.jsonl", lambda p: p.write_text("")),
+        ("broken.jsonl", lambda p: p.write_text('{"query": "a", "item": "b"}\n{not json\n')),
+        ("retyped.jsonl", _jsonl_whose_item_turns_a_number),
+    ],
+)
+def test_an_input_that_cannot_be_read_is_a_table_error(scorer, tmp_path, name, write):
+    """Not pyarrow's own exception: `tpuscore job` reports a TableError as bad input."""
+    from tpuscore.jobs import TableError
+
+    write(tmp_path / name)
+    with pytest.raises(TableError, match=name):
+        score_table(
+            tmp_path / name, tmp_path / "out", scorer=scorer, labels=LABELS, shard_rows=50000
+        )
+
+
 def test_grouping_and_label_names():
     assert grouping.group_rows(["q1", "q1", "q2", "q1", "q3"]) == [[0, 1, 3], [2], [4]]
     assert grouping.freeze([[1, 2], {"b": [3]}]) == ((1, 2), (("b", (3,)),))
