@@ -96,3 +96,21 @@ def test_missing_or_damaged_shards_are_scored_again(scorer, rng, tmp_path):
     again = run(output)
     assert (again.rows, again.shards, again.resumed_rows) == (10, 2, 5)
     assert read(output).equals(whole) and Path(errors_path).read_bytes() == whole_errors
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"a manifest"', '{"format": "tpuscore-job/2"}'])
+def test_a_manifest_that_is_not_a_jobs_is_refused_as_unreadable(scorer, rng, tmp_path, text):
+    """Valid JSON of another shape is `manifest_unreadable` (a JobConfigError), not an
+    AttributeError; overwrite starts the job again."""
+    from tpuscore.jobs import JobConfigError
+
+    pq.write_table(pairs_table(rng, 5), tmp_path / "pairs.parquet")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out.manifest.json").write_text(text)
+    with pytest.raises(JobConfigError) as refused:
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    assert (refused.value.code, refused.value.param) == ("manifest_unreadable", "output")
+    again = score_table(
+        tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, overwrite=True, **KWARGS
+    )
+    assert again.rows == 5
