@@ -14,8 +14,9 @@ import pyarrow as pa
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 
-# Score options a row may carry in a column of the same name, where the job does not set them.
-ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate")
+# Score options a row may carry in a column of the same name, where the job does not set them
+# (`adapter`: one of the scorer's LoRA adapters, by name; null is the base model).
+ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate", "adapter")
 PAIRS, REQUESTS = "pairs", "requests"
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
