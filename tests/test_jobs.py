@@ -416,6 +416,26 @@ def test_id_columns_given_as_one_string_are_refused():
     assert (refused.value.code, refused.value.param) == ("invalid_argument", "id_columns")
 
 
+@pytest.mark.parametrize(
+    "names, id_columns, param",
+    [
+        (["query", "item", "item"], [], "item_column"),
+        (["query", "query", "item"], [], "query_column"),
+        (["query", "item", "id", "id"], ["id"], "id_columns"),
+        (["query", "item", "truncate", "truncate"], [], "truncate"),
+    ],
+)
+def test_a_column_the_job_reads_named_twice_in_the_input_is_refused(names, id_columns, param):
+    """Arrow and Parquet allow two columns of one name; which one the job would read is
+    ambiguous, so it is refused (not a KeyError from the schema)."""
+    from tpuscore.jobs import Spec
+
+    schema = pa.schema([pa.field(n, pa.string()) for n in names])
+    with pytest.raises(JobConfigError) as refused:
+        Spec(id_columns=id_columns, labels=LABELS).layout(schema)
+    assert (refused.value.code, refused.value.param) == ("duplicate_column", param)
+
+
 def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
     table = pa.table({"row": [1, 2], "query": ["a b", "c"], "item": ["d", "e"]})
     pq.write_table(table, tmp_path / "pairs.parquet")

@@ -167,8 +167,18 @@ class Spec:
                     f"the table has no id column {column!r}; its columns are {', '.join(names)}",
                     "id_columns",
                 )
-        shape = REQUESTS if _holds_items(schema.field(item_column).type) else PAIRS
         row_options = tuple(n for n in ROW_OPTIONS if n in names and n not in options)
+        read = {self.query_column: "query_column", item_column: "item_column"}
+        read |= {c: "id_columns" for c in self.id_columns} | {n: n for n in row_options}
+        for column, param in read.items():
+            if names.count(column) > 1:
+                raise JobConfigError(
+                    "duplicate_column",
+                    f"the table has {names.count(column)} columns named {column!r}; rename them "
+                    "so that the job reads one",
+                    param,
+                )
+        shape = REQUESTS if _holds_items(schema.field(item_column).type) else PAIRS
         if classification or "labels" in options or "label_token_ids" in options:
             row_options = tuple(n for n in row_options if n not in ("labels", "label_token_ids"))
         fixed = classes if classification else options.get("labels", options.get("label_token_ids"))
