@@ -445,3 +445,20 @@ def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
             id_columns=["row"],
         )  # fmt: skip
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.manifest.json").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_that_holds_the_input_is_refused(scorer, tmp_path, overwrite):
+    """Overwriting an output deletes its directory: one holding the input is refused before
+    anything is removed, rather than deleting the input (the refusal without overwrite
+    suggests passing it)."""
+    (tmp_path / "data").mkdir()
+    table = pa.table({"query": ["a b"], "item": ["c"]})
+    pq.write_table(table, tmp_path / "data" / "pairs.parquet")
+    with pytest.raises(JobConfigError) as refused:
+        score_table(
+            tmp_path / "data" / "pairs.parquet", tmp_path / "data", scorer=scorer,
+            labels=LABELS, overwrite=overwrite,
+        )  # fmt: skip
+    assert (refused.value.code, refused.value.param) == ("output_holds_input", "output")
+    assert pq.read_table(tmp_path / "data" / "pairs.parquet").equals(table)

@@ -211,6 +211,7 @@ def score_table(
         | calibrated.setting(fitted)
     )
     fs, path = filesystem(output)
+    _refuse_output_holding_input(in_fs, in_path, fs, path, output)
     with locking.hold(fs, f"{path.rstrip('/')}.lock", output):
         out = Output.open(fs, path, output, out_format, settings, overwrite)
         summary = _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress)
@@ -265,6 +266,20 @@ def _output_schema(input_schema: pa.Schema, layout) -> pa.Schema:
     """row, the id columns as the input has them, then the score columns."""
     ids = [input_schema.field(c) for c in layout.id_columns]
     return pa.schema([pa.field("row", pa.int64()), *ids, *layout.score_schema()])
+
+
+def _refuse_output_holding_input(in_fs, in_path: str, fs, path: str, output: str) -> None:
+    """An output whose directory or files beside it are (or hold) the input is refused: an
+    overwrite would delete the input before it is read."""
+    if in_fs.protocol != fs.protocol:
+        return
+    directory, *files = paths(path)
+    if in_path in files or in_path == directory or in_path.startswith(f"{directory}/"):
+        raise JobConfigError(
+            "output_holds_input",
+            f"the output {output} holds the input {in_path}; name an output apart from it",
+            "output",
+        )
 
 
 def _output_format(output: str, given: str | None) -> str:
