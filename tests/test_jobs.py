@@ -207,10 +207,14 @@ def test_a_refused_setting_leaves_no_output_to_resume(scorer, rng, tmp_path):
     corrected command starts the job instead of being refused as another job's resume."""
     pq.write_table(pairs_table(rng, 5), tmp_path / "pairs.parquet")
     common = dict(scorer=scorer, query_column="user_text", item_column="item_text")
-    for bad in ([" yes", " no"], [b"a", b"b"]):  # three tokens; not text
+    for bad in (
+        {"labels": [" yes", " no"]},  # three tokens
+        {"labels": [b"a", b"b"]},  # not text
+        {"labels": LABELS, "backend": "nope"},
+    ):
         with pytest.raises(JobConfigError) as refused:
-            score_table(tmp_path / "pairs.parquet", tmp_path / "out", labels=bad, **common)
-        assert refused.value.param.startswith("labels")
+            score_table(tmp_path / "pairs.parquet", tmp_path / "out", **bad, **common)
+        assert refused.value.param.startswith(next(k for k in ("backend", "labels") if k in bad))
         assert not (tmp_path / "out.manifest.json").exists()
     summary = score_table(tmp_path / "pairs.parquet", tmp_path / "out", labels=LABELS, **common)
     assert summary.rows == 5 and not summary.resumed_rows

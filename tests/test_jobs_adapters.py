@@ -68,3 +68,19 @@ def test_a_resume_with_other_adapter_weights_is_refused(lora, rng, tmp_path):
     with pytest.raises(ResumeRefused) as refused:
         score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=other, **kwargs)
     assert [c[0] for c in refused.value.changed] == ["model.adapters.sha256"]
+
+
+def test_an_adapter_row_on_a_backend_without_adapters_is_that_rows_error(lora, rng, tmp_path):
+    """As `score_batch` refuses such a request before anything runs: the row, not the job."""
+    _, scorer, _ = lora
+    table = pa.table(
+        {"query": ["the mill"] * 3, "item": ["a", "b c", "d"], "adapter": [None, NAME, None]}
+    )
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    summary = score_table(
+        tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, labels=LABELS,
+        backend="reference",
+    )  # fmt: skip
+    assert (summary.rows, summary.errors) == (3, 1)
+    [error] = read_errors(str(tmp_path / "out")).to_pylist()
+    assert (error["row"], error["code"]) == (1, "adapter_unsupported")
