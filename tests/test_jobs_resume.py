@@ -114,3 +114,24 @@ def test_a_manifest_that_is_not_a_jobs_is_refused_as_unreadable(scorer, rng, tmp
         tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, overwrite=True, **KWARGS
     )
     assert again.rows == 5
+
+
+def test_read_output_names_a_missing_or_damaged_shard(scorer, rng, tmp_path):
+    """`read_output` of an output whose committed shard was deleted or cut short is a
+    TableError that says which shard and how to repair it (run the job again)."""
+    from tpuscore.jobs import TableError, read_output
+
+    pq.write_table(pairs_table(rng, 10), tmp_path / "pairs.parquet")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    shard = tmp_path / "out" / "part-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(TableError, match="part-00001"):
+        read_output(tmp_path / "out")
+    shard.unlink()
+    with pytest.raises(TableError, match="part-00001"):
+        read_output(tmp_path / "out")
+    assert (
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS).repaired
+        == 1
+    )
+    assert read_output(tmp_path / "out").num_rows == 10

@@ -42,21 +42,32 @@ def _manifest(output: str | os.PathLike):
 
 
 def read_output(output: str | os.PathLike) -> pa.Table:
-    """The committed rows of a job's output, in row order, with the types of its schema."""
+    """The committed rows of a job's output, in row order, with the types of its schema; a
+    committed shard missing or damaged is a `TableError` naming it (the job run again repairs
+    it)."""
     fs, directory, _, manifest, schema = _manifest(output)
     tables = []
     for record in manifest.shards:
-        with fs.open(posixpath.join(directory, record.file), "rb") as f:
-            if manifest.settings["output_format"] == "parquet":
-                import pyarrow.parquet as pq
-
-                # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
-                tables.append(pq.read_table(f).cast(schema))
-                continue
-            rows = [json.loads(line) for line in f.read().decode().splitlines()]
-        columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
-        tables.append(pa.Table.from_arrays(columns, schema=schema))
+        try:
+            tables.append(_read_shard(fs, directory, record.file, manifest, schema))
+        except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+            raise TableError(
+                f"{output}: shard {record.file} cannot be read ({type(e).__name__}: {e}); run "
+                "the job again to score it again"
+            ) from None
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _read_shard(fs, directory: str, name: str, manifest, schema: pa.Schema) -> pa.Table:
+    with fs.open(posixpath.join(directory, name), "rb") as f:
+        if manifest.settings["output_format"] == "parquet":
+            import pyarrow.parquet as pq
+
+            # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
+            return pq.read_table(f).cast(schema)
+        rows = [json.loads(line) for line in f.read().decode().splitlines()]
+    columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def read_errors(output: str | os.PathLike) -> pa.Table:
