@@ -86,3 +86,22 @@ def test_an_unknown_backend_fails_the_batch_and_an_adapter_row_is_its_own(checkp
     assert refused.value.code == "unknown_backend"
     out = ScoreRows(str(checkpoint_dir(CASE)), dtype="float32", **SPEC)(table)
     assert out.column("error_code").to_pylist() == [None, "unknown_adapter", None]
+
+
+def test_score_dataset_refuses_a_bad_setting_before_any_actor_starts():
+    """In the driver, typed, before map_batches: not in each actor as it loads the model."""
+    from tpuscore.integrations.ray import score_dataset
+    from tpuscore.jobs import JobConfigError
+
+    class Dataset:
+        def map_batches(self, *args, **kwargs):
+            pytest.fail("map_batches was called")
+
+    with pytest.raises(JobConfigError) as refused:
+        score_dataset(Dataset(), labels=" yes")  # a string, not a list of labels
+    assert refused.value.param == "labels"
+    with pytest.raises(JobConfigError) as refused:
+        score_dataset(Dataset(), template="plain", labels=LABELS)
+    assert refused.value.param == "labels"
+    with pytest.raises(TypeError, match="label"):
+        score_dataset(Dataset(), label=LABELS)  # a misspelt argument
