@@ -466,3 +466,28 @@ def test_an_output_that_holds_the_input_is_refused(scorer, tmp_path, overwrite):
         )  # fmt: skip
     assert (refused.value.code, refused.value.param) == ("output_holds_input", "output")
     assert pq.read_table(tmp_path / "data" / "pairs.parquet").equals(table)
+
+
+@pytest.mark.parametrize("output", ["out", "out.jsonl"])
+def test_an_empty_input_writes_an_empty_table_with_the_outputs_columns(scorer, tmp_path, output):
+    """A reader of the output directory gets the columns (row, ids, scores) with no rows, as for
+    a table whose every row failed, not a table of no columns."""
+    from tpuscore.jobs import read_output
+
+    schema = pa.schema([("user_id", pa.int64()), ("query", pa.string()), ("item", pa.string())])
+    pq.write_table(schema.empty_table(), tmp_path / "none.parquet")
+    summary = score_table(
+        tmp_path / "none.parquet", tmp_path / output, scorer=scorer, labels=LABELS,
+        id_columns=["user_id"],
+    )  # fmt: skip
+    assert (summary.rows, summary.errors) == (0, 0)
+    names = ["row", "user_id", "logprob_a", "logprob_b", "score_a", "score_b"]
+    out = read_output(tmp_path / output)
+    assert (out.column_names, out.num_rows) == (names, 0)
+    if output == "out":
+        assert pq.read_table(tmp_path / output).column_names == names
+    again = score_table(
+        tmp_path / "none.parquet", tmp_path / output, scorer=scorer, labels=LABELS,
+        id_columns=["user_id"],
+    )  # fmt: skip
+    assert (again.rows, again.shards) == (0, 0)  # complete: nothing scored or written again
