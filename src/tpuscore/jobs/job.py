@@ -193,7 +193,7 @@ def score_table(
     layout = spec.layout(
         table.schema, classes_of(scorer), calibrated=scorer.score_calibration is not None
     )
-    check_options(scorer, layout, backend)  # before the output is opened: a fixed command starts
+    check_options(scorer, layout, backend)  # before the output opens: a corrected rerun starts
     fitted: Calibration | None = calibrated.checked(scorer, layout)
     in_fs, in_path = filesystem(input)
     settings = _jsonable(

@@ -51,7 +51,8 @@ class RowFailed(Exception):
 
 
 def _optional_tuple(value: Any, param: str = "labels") -> tuple | None:
-    """A list of labels as a tuple; a lone string is refused (it would become its characters)."""
+    """A list (the labels, or `param`'s values) as a tuple; a lone string is refused (it would
+    become its characters)."""
     if value is None:
         return None
     if isinstance(value, str | bytes):
