@@ -135,3 +135,24 @@ def test_read_output_names_a_missing_or_damaged_shard(scorer, rng, tmp_path):
         == 1
     )
     assert read_output(tmp_path / "out").num_rows == 10
+
+
+def test_read_errors_names_a_damaged_errors_file(scorer, rng, tmp_path):
+    """An errors file cut short (or gone) is a TableError naming it, as `read_output` names a
+    damaged shard, not a JSONDecodeError; the job run again repairs it."""
+    from tpuscore.jobs import TableError, read_errors
+
+    table = pairs_table(rng, 10).to_pydict()
+    table["item_text"][2] = table["item_text"][7] = None
+    pq.write_table(pa.table(table), tmp_path / "pairs.parquet")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    errors = tmp_path / "out.errors.jsonl"
+    whole = errors.read_bytes()
+    errors.write_bytes(whole[: len(whole) - 30])
+    with pytest.raises(TableError, match="out.errors.jsonl"):
+        read_errors(tmp_path / "out")
+    errors.unlink()
+    with pytest.raises(TableError, match="out.errors.jsonl"):
+        read_errors(tmp_path / "out")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    assert read_errors(tmp_path / "out")["row"].to_pylist() == [2, 7]
