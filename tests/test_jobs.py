@@ -202,6 +202,19 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
         )
 
 
+@pytest.mark.parametrize("name, value", [("dtype", "bfloat16"), ("model", "another/model")])
+def test_a_model_or_dtype_beside_a_scorer_is_refused(scorer, tmp_path, name, value):
+    """The scorer's own model and dtype run: another named beside it would be ignored, silently
+    (as a score_calibration beside a scorer is refused)."""
+    pq.write_table(pa.table({"query": ["a b"], "item": ["c"]}), tmp_path / "pairs.parquet")
+    with pytest.raises(JobConfigError) as refused:
+        score_table(
+            tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, labels=LABELS,
+            **{name: value},
+        )  # fmt: skip
+    assert (refused.value.code, refused.value.param) == ("invalid_argument", name)
+
+
 def test_a_refused_setting_leaves_no_output_to_resume(scorer, rng, tmp_path):
     """A job-wide label every row would fail on is refused before the output is opened, so the
     corrected command starts the job instead of being refused as another job's resume."""

@@ -119,7 +119,8 @@ def score_table(
         scorer: the scorer to run; default `load_scorer(model, dtype=dtype)`. A scorer with a
             prefix cache still works, but a resumed run's scores may then differ from an
             uninterrupted run's by rounding.
-        model, dtype: what `load_scorer` loads when no scorer is given. The manifest records
+        model, dtype: what `load_scorer` loads when no scorer is given (refused with one: the
+            scorer's would run). The manifest records
             the model's fingerprint (config, dtype, weights' hash) and the input's (size and
             content hash), so a resume with another model or input is refused.
         backend: the backend of every `score_batch` call (default the scorer's).
@@ -190,6 +191,15 @@ def score_table(
             "(Scorer.from_pretrained(..., score_calibration=) or scorer.score_calibration)",
             "score_calibration",
         )
+    else:  # the scorer's own model and dtype run, so another named here would be ignored
+        for name, value in (("model", model), ("dtype", dtype)):
+            if value is not None:
+                raise JobConfigError(
+                    "invalid_argument",
+                    f"{name} is what load_scorer loads when no scorer is given; with a scorer, "
+                    f"the scorer's runs: leave {name} out (or load the scorer with it)",
+                    name,
+                )
     layout = spec.layout(
         table.schema, classes_of(scorer), calibrated=scorer.score_calibration is not None
     )
