@@ -123,6 +123,17 @@ def test_an_error_in_a_chunk_names_its_document(scorer, rng):
     assert e.value.param == "items[1]" and "chunk 1, tokens [4, 6] of items[1]" in str(e.value)
 
 
+def test_chunked_score_with_one_label_is_refused_as_rank_refuses_it(scorer, monkeypatch):
+    """A chunk's score is the label's probability within the labels: with one label it is 1
+    for every document, so it is refused (as `rank` refuses it) before anything runs."""
+    monkeypatch.setattr(scorer.engine, "run", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(ValidationError) as e:
+        scorer.score(
+            "a query", ["the fox ran past the mill"], labels=LABELS[:1], chunking={"window": 3}
+        )
+    assert (e.value.code, e.value.param) == ("invalid_argument", "labels")
+
+
 def test_token_id_documents_are_cut_as_given(scorer, rng):
     vocab = scorer.config.vocab_size
     docs = [rng.integers(0, vocab, int(n)).tolist() for n in (5, 23)]

@@ -190,7 +190,7 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
     with pytest.raises(JobConfigError) as bad:  # " yes" is three tokens here
         score_table(tmp_path / "pairs.parquet", tmp_path / "a.parquet", labels=[" yes"], **common)
     assert bad.value.param == "labels"
-    assert (tmp_path / "a.parquet.errors.jsonl").read_text() == ""  # a job's error, not rows'
+    assert not (tmp_path / "a.parquet.errors.jsonl").exists()  # a job's error, not rows'
     with pytest.raises(JobConfigError) as missing:
         score_table(
             tmp_path / "pairs.parquet", tmp_path / "b.parquet", id_columns=["nope"], **common
@@ -200,6 +200,37 @@ def test_settings_every_row_would_fail_on_stop_the_job(scorer, rng, tmp_path):
         score_table(
             tmp_path / "pairs.parquet", tmp_path / "c", template="plain", labels=LABELS, **common
         )
+
+
+@pytest.mark.parametrize("name, value", [("dtype", "bfloat16"), ("model", "another/model")])
+def test_a_model_or_dtype_beside_a_scorer_is_refused(scorer, tmp_path, name, value):
+    """The scorer's own model and dtype run: another named beside it would be ignored, silently
+    (as a score_calibration beside a scorer is refused)."""
+    pq.write_table(pa.table({"query": ["a b"], "item": ["c"]}), tmp_path / "pairs.parquet")
+    with pytest.raises(JobConfigError) as refused:
+        score_table(
+            tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, labels=LABELS,
+            **{name: value},
+        )  # fmt: skip
+    assert (refused.value.code, refused.value.param) == ("invalid_argument", name)
+
+
+def test_a_refused_setting_leaves_no_output_to_resume(scorer, rng, tmp_path):
+    """A job-wide label every row would fail on is refused before the output is opened, so the
+    corrected command starts the job instead of being refused as another job's resume."""
+    pq.write_table(pairs_table(rng, 5), tmp_path / "pairs.parquet")
+    common = dict(scorer=scorer, query_column="user_text", item_column="item_text")
+    for bad in (
+        {"labels": [" yes", " no"]},  # three tokens
+        {"labels": [b"a", b"b"]},  # not text
+        {"labels": LABELS, "backend": "nope"},
+    ):
+        with pytest.raises(JobConfigError) as refused:
+            score_table(tmp_path / "pairs.parquet", tmp_path / "out", **bad, **common)
+        assert refused.value.param.startswith(next(k for k in ("backend", "labels") if k in bad))
+        assert not (tmp_path / "out.manifest.json").exists()
+    summary = score_table(tmp_path / "pairs.parquet", tmp_path / "out", labels=LABELS, **common)
+    assert summary.rows == 5 and not summary.resumed_rows
 
 
 class Interrupted(Exception):
@@ -297,6 +328,32 @@ def test_fsspec_urls_and_csv(scorer, rng, tmp_path):
     np.testing.assert_allclose([o["logprob_b"] for o in lines], expected[:, 1], atol=1e-5)
 
 
+def _jsonl_whose_item_turns_a_number(path):
+    """Past pyarrow's first 1 MB block, where the column types were inferred."""
+    lines = [json.dumps({"query": "the mill", "item": f"bread {i}"}) for i in range(30000)]
+    path.write_text("\n".join([*lines, json.dumps({"query": "the", "item": 5})]) + "\n")
+
+
+@pytest.mark.parametrize(
+    "name, write",
+    [
+        ("garbage.parquet", lambda p: p.write_bytes(b"PAR1 not parquet PAR1")),
+        ("empty.jsonl", lambda p: p.write_text("")),
+        ("broken.jsonl", lambda p: p.write_text('{"query": "a", "item": "b"}\n{not json\n')),
+        ("retyped.jsonl", _jsonl_whose_item_turns_a_number),
+    ],
+)
+def test_an_input_that_cannot_be_read_is_a_table_error(scorer, tmp_path, name, write):
+    """Not pyarrow's own exception: `tpuscore job` reports a TableError as bad input."""
+    from tpuscore.jobs import TableError
+
+    write(tmp_path / name)
+    with pytest.raises(TableError, match=name):
+        score_table(
+            tmp_path / name, tmp_path / "out", scorer=scorer, labels=LABELS, shard_rows=50000
+        )
+
+
 def test_grouping_and_label_names():
     assert grouping.group_rows(["q1", "q1", "q2", "q1", "q3"]) == [[0, 1, 3], [2], [4]]
     assert grouping.freeze([[1, 2], {"b": [3]}]) == ((1, 2), (("b", (3,)),))
@@ -367,6 +424,35 @@ def test_id_columns_that_collide_with_the_output_are_refused(id_columns, classes
     assert repr(id_columns[-1]) in str(refused.value)
 
 
+def test_id_columns_given_as_one_string_are_refused():
+    """A lone string is not read as its characters: "ab" would silently carry columns a and b."""
+    from tpuscore.jobs import Spec
+
+    with pytest.raises(JobConfigError) as refused:
+        Spec(id_columns="ab", labels=LABELS)
+    assert (refused.value.code, refused.value.param) == ("invalid_argument", "id_columns")
+
+
+@pytest.mark.parametrize(
+    "names, id_columns, param",
+    [
+        (["query", "item", "item"], [], "item_column"),
+        (["query", "query", "item"], [], "query_column"),
+        (["query", "item", "id", "id"], ["id"], "id_columns"),
+        (["query", "item", "truncate", "truncate"], [], "truncate"),
+    ],
+)
+def test_a_column_the_job_reads_named_twice_in_the_input_is_refused(names, id_columns, param):
+    """Arrow and Parquet allow two columns of one name; which one the job would read is
+    ambiguous, so it is refused (not a KeyError from the schema)."""
+    from tpuscore.jobs import Spec
+
+    schema = pa.schema([pa.field(n, pa.string()) for n in names])
+    with pytest.raises(JobConfigError) as refused:
+        Spec(id_columns=id_columns, labels=LABELS).layout(schema)
+    assert (refused.value.code, refused.value.param) == ("duplicate_column", param)
+
+
 def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
     table = pa.table({"row": [1, 2], "query": ["a b", "c"], "item": ["d", "e"]})
     pq.write_table(table, tmp_path / "pairs.parquet")
@@ -376,3 +462,45 @@ def test_a_collision_stops_the_job_before_the_first_row(scorer, tmp_path):
             id_columns=["row"],
         )  # fmt: skip
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.manifest.json").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_that_holds_the_input_is_refused(scorer, tmp_path, overwrite):
+    """Overwriting an output deletes its directory: one holding the input is refused before
+    anything is removed, rather than deleting the input (the refusal without overwrite
+    suggests passing it)."""
+    (tmp_path / "data").mkdir()
+    table = pa.table({"query": ["a b"], "item": ["c"]})
+    pq.write_table(table, tmp_path / "data" / "pairs.parquet")
+    with pytest.raises(JobConfigError) as refused:
+        score_table(
+            tmp_path / "data" / "pairs.parquet", tmp_path / "data", scorer=scorer,
+            labels=LABELS, overwrite=overwrite,
+        )  # fmt: skip
+    assert (refused.value.code, refused.value.param) == ("output_holds_input", "output")
+    assert pq.read_table(tmp_path / "data" / "pairs.parquet").equals(table)
+
+
+@pytest.mark.parametrize("output", ["out", "out.jsonl"])
+def test_an_empty_input_writes_an_empty_table_with_the_outputs_columns(scorer, tmp_path, output):
+    """A reader of the output directory gets the columns (row, ids, scores) with no rows, as for
+    a table whose every row failed, not a table of no columns."""
+    from tpuscore.jobs import read_output
+
+    schema = pa.schema([("user_id", pa.int64()), ("query", pa.string()), ("item", pa.string())])
+    pq.write_table(schema.empty_table(), tmp_path / "none.parquet")
+    summary = score_table(
+        tmp_path / "none.parquet", tmp_path / output, scorer=scorer, labels=LABELS,
+        id_columns=["user_id"],
+    )  # fmt: skip
+    assert (summary.rows, summary.errors) == (0, 0)
+    names = ["row", "user_id", "logprob_a", "logprob_b", "score_a", "score_b"]
+    out = read_output(tmp_path / output)
+    assert (out.column_names, out.num_rows) == (names, 0)
+    if output == "out":
+        assert pq.read_table(tmp_path / output).column_names == names
+    again = score_table(
+        tmp_path / "none.parquet", tmp_path / output, scorer=scorer, labels=LABELS,
+        id_columns=["user_id"],
+    )  # fmt: skip
+    assert (again.rows, again.shards) == (0, 0)  # complete: nothing scored or written again

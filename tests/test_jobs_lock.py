@@ -96,3 +96,13 @@ def test_an_advisory_lock_on_a_store_refuses_a_live_holder_and_takes_a_dead_ones
     fs.pipe_file("/locks/out.lock", json.dumps({**dead, "host": "elsewhere"}).encode())
     with pytest.raises(OutputLocked, match="elsewhere"):  # another host's pid: cannot tell
         run()
+
+
+def test_an_output_in_a_directory_not_made_yet_is_written(scorer, rng, tmp_path):
+    """The lock file goes beside the output, so its directory is made first, as the output's
+    is (not a FileNotFoundError from the lock)."""
+    pq.write_table(pairs_table(rng, 4), tmp_path / "pairs.parquet")
+    output = tmp_path / "nightly" / "2026-11-27" / "scores"
+    summary = score_table(tmp_path / "pairs.parquet", output, scorer=scorer, **KWARGS)
+    assert summary.rows == 4 and read(output).num_rows == 4
+    assert not os.path.exists(f"{output}.lock")

@@ -96,3 +96,63 @@ def test_missing_or_damaged_shards_are_scored_again(scorer, rng, tmp_path):
     again = run(output)
     assert (again.rows, again.shards, again.resumed_rows) == (10, 2, 5)
     assert read(output).equals(whole) and Path(errors_path).read_bytes() == whole_errors
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"a manifest"', '{"format": "tpuscore-job/2"}'])
+def test_a_manifest_that_is_not_a_jobs_is_refused_as_unreadable(scorer, rng, tmp_path, text):
+    """Valid JSON of another shape is `manifest_unreadable` (a JobConfigError), not an
+    AttributeError; overwrite starts the job again."""
+    from tpuscore.jobs import JobConfigError
+
+    pq.write_table(pairs_table(rng, 5), tmp_path / "pairs.parquet")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out.manifest.json").write_text(text)
+    with pytest.raises(JobConfigError) as refused:
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    assert (refused.value.code, refused.value.param) == ("manifest_unreadable", "output")
+    again = score_table(
+        tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, overwrite=True, **KWARGS
+    )
+    assert again.rows == 5
+
+
+def test_read_output_names_a_missing_or_damaged_shard(scorer, rng, tmp_path):
+    """`read_output` of an output whose committed shard was deleted or cut short is a
+    TableError that says which shard and how to repair it (run the job again)."""
+    from tpuscore.jobs import TableError, read_output
+
+    pq.write_table(pairs_table(rng, 10), tmp_path / "pairs.parquet")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    shard = tmp_path / "out" / "part-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(TableError, match="part-00001"):
+        read_output(tmp_path / "out")
+    shard.unlink()
+    with pytest.raises(TableError, match="part-00001"):
+        read_output(tmp_path / "out")
+    assert (
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS).repaired
+        == 1
+    )
+    assert read_output(tmp_path / "out").num_rows == 10
+
+
+def test_read_errors_names_a_damaged_errors_file(scorer, rng, tmp_path):
+    """An errors file cut short (or gone) is a TableError naming it, as `read_output` names a
+    damaged shard, not a JSONDecodeError; the job run again repairs it."""
+    from tpuscore.jobs import TableError, read_errors
+
+    table = pairs_table(rng, 10).to_pydict()
+    table["item_text"][2] = table["item_text"][7] = None
+    pq.write_table(pa.table(table), tmp_path / "pairs.parquet")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    errors = tmp_path / "out.errors.jsonl"
+    whole = errors.read_bytes()
+    errors.write_bytes(whole[: len(whole) - 30])
+    with pytest.raises(TableError, match="out.errors.jsonl"):
+        read_errors(tmp_path / "out")
+    errors.unlink()
+    with pytest.raises(TableError, match="out.errors.jsonl"):
+        read_errors(tmp_path / "out")
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
+    assert read_errors(tmp_path / "out")["row"].to_pylist() == [2, 7]

@@ -85,6 +85,17 @@ def test_the_default_bounds_are_finite_and_checked_before_tokenizing(scorers):
     refused(lambda: scorer.score("q", huge, [5]), "too_many_items", "items")
 
 
+@pytest.mark.parametrize("requests", [None, 3, {"query": "q", "items": ["a"], "labels": LABELS}])
+def test_requests_that_are_not_a_sequence_of_requests_are_refused(scorers, requests):
+    """score_batch, prepare_batch and validate_batch take a list of requests: anything else is
+    a ValidationError naming `requests` (not a TypeError, nor one request's keys as requests)."""
+    scorer = scorers(CASE)
+    for call in (scorer.score_batch, scorer.prepare_batch, scorer.validate_batch):
+        with pytest.raises(ValidationError) as e:
+            call(requests)
+        assert (e.value.code, e.value.param) == ("invalid_argument", "requests"), e.value
+
+
 @pytest.mark.parametrize(
     "limits, why",
     [

@@ -71,3 +71,37 @@ def test_score_rows_takes_pandas_and_returns_pandas(checkpoint_dir, rng):
     np.testing.assert_array_equal(
         frame["logprob_a"].to_numpy(), arrow.column("logprob_a").to_numpy()
     )
+
+
+def test_an_unknown_backend_fails_the_batch_and_an_adapter_row_is_its_own(checkpoint_dir, rng):
+    """A bad setting fails the dataset, not each row; a row naming an adapter the scorer did
+    not load is that row's error (the `adapter` column, as a job reads it)."""
+    from tpuscore.integrations.ray import ScoreRows
+    from tpuscore.jobs import JobConfigError
+
+    table = pairs_table(rng, 3)
+    table = table.append_column("adapter", pa.array([None, "legal", None], pa.string()))
+    with pytest.raises(JobConfigError) as refused:
+        ScoreRows(str(checkpoint_dir(CASE)), dtype="float32", backend="nope", **SPEC)(table)
+    assert refused.value.code == "unknown_backend"
+    out = ScoreRows(str(checkpoint_dir(CASE)), dtype="float32", **SPEC)(table)
+    assert out.column("error_code").to_pylist() == [None, "unknown_adapter", None]
+
+
+def test_score_dataset_refuses_a_bad_setting_before_any_actor_starts():
+    """In the driver, typed, before map_batches: not in each actor as it loads the model."""
+    from tpuscore.integrations.ray import score_dataset
+    from tpuscore.jobs import JobConfigError
+
+    class Dataset:
+        def map_batches(self, *args, **kwargs):
+            pytest.fail("map_batches was called")
+
+    with pytest.raises(JobConfigError) as refused:
+        score_dataset(Dataset(), labels=" yes")  # a string, not a list of labels
+    assert refused.value.param == "labels"
+    with pytest.raises(JobConfigError) as refused:
+        score_dataset(Dataset(), template="plain", labels=LABELS)
+    assert refused.value.param == "labels"
+    with pytest.raises(TypeError, match="label"):
+        score_dataset(Dataset(), label=LABELS)  # a misspelt argument

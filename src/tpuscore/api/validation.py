@@ -9,7 +9,7 @@ time are `argument_checks.py`'s; this module composes them into each request's c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -291,6 +291,19 @@ def validate_loglikelihood(
             )
         continuation_ids.append(ids)
     return LoglikelihoodRequest(context_ids, continuation_ids, adapter_at)
+
+
+def request_list(requests: Any) -> list[Any]:
+    """`score_batch`'s requests as a list: anything but an iterable of requests (None, a number,
+    one request's mapping or text) is `invalid_argument` at `requests`."""
+    if isinstance(requests, Mapping | str | bytes) or not isinstance(requests, Iterable):
+        raise ValidationError(
+            "invalid_argument",
+            f"requests must be a list of mappings of score() arguments, got "
+            f"{type(requests).__name__}",
+            "requests",
+        )
+    return list(requests)
 
 
 def request_arguments(request: Any, where: str | None = None) -> tuple[Any, Any, ScoreOptions]:

@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
             args.input,
             args.output,
             scorer=scorer,
-            model=args.model,
             backend=backend,
             on_error=args.on_error,
             shard_rows=args.shard_rows,

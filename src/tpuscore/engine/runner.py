@@ -167,7 +167,7 @@ class Engine:
         if errors not in ("raise", "return"):
             raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
         prepared: list[ScoreRequest | ValidationError] = []
-        for i, request in enumerate(requests):
+        for i, request in enumerate(validation.request_list(requests)):
             try:
                 prepared.append(self.prepare_request(request, backend))
             except ValidationError as e:

@@ -112,6 +112,9 @@ def score_dataset(
             chips are a custom resource, e.g. `resources={"TPU": 4}` for a v5e-4 host.
         **kwargs: `ScoreRows`' arguments (model, labels, id_columns, ...).
     """
+    scorer_arguments = ("model", "dtype", "backend", "scorer_options", "score_calibration")
+    # A bad setting or a misspelt argument fails here, in the driver, before any actor loads.
+    Spec(**{k: v for k, v in kwargs.items() if k not in scorer_arguments}).options()
     remote_args: dict[str, Any] = {}
     if num_cpus is not None:
         remote_args["num_cpus"] = num_cpus

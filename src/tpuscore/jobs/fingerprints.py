@@ -22,7 +22,7 @@ CHUNK = 1 << 20
 # Checksums object stores keep per object (s3: ETag; gcs: md5Hash, crc32c; azure: content_md5):
 # reading them costs one metadata call instead of a download.
 STORE_CHECKSUMS = ("md5Hash", "crc32c", "ETag", "etag", "content_md5", "checksum")
-_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scorer -> its digest
+_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # scorer -> its digests
 
 
 def of_input(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
@@ -59,11 +59,17 @@ def of_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 def of_model(scorer: Any) -> dict[str, Any]:
     """The model's config, the dtype it runs in and the sha256 of its weights (names, shapes,
-    dtypes and bytes; hashed once per scorer)."""
+    dtypes and bytes; hashed once per scorer), and of its LoRA adapters where it has some (a
+    row's `adapter` column names one)."""
     config = json.loads(json.dumps(dataclasses.asdict(scorer.config), default=str))
+    model = scorer.engine.model
     if scorer not in _weights:
-        _weights[scorer] = _weights_digest(scorer.params)
-    return {"config": config, "dtype": str(scorer.dtype), "weights_sha256": _weights[scorer]}
+        _weights[scorer] = _weights_digest(scorer.params), _weights_digest(model.adapters)
+    weights, adapters = _weights[scorer]
+    fingerprint = {"config": config, "dtype": str(scorer.dtype), "weights_sha256": weights}
+    if model.adapter_names:
+        fingerprint["adapters"] = {"names": list(model.adapter_names), "sha256": adapters}
+    return fingerprint
 
 
 def _weights_digest(params: Any) -> str:

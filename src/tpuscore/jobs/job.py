@@ -28,7 +28,7 @@ import pyarrow as pa
 from tpuscore.api.calibration import Calibration
 from tpuscore.jobs import calibrated, fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
-from tpuscore.jobs.scoring import score_rows
+from tpuscore.jobs.scoring import check_options, score_rows
 from tpuscore.jobs.spec import JobConfigError, Spec, classes_of
 from tpuscore.jobs.tables import TableError, filesystem, open_table, table_format
 from tpuscore.scorer import Scorer
@@ -119,7 +119,8 @@ def score_table(
         scorer: the scorer to run; default `load_scorer(model, dtype=dtype)`. A scorer with a
             prefix cache still works, but a resumed run's scores may then differ from an
             uninterrupted run's by rounding.
-        model, dtype: what `load_scorer` loads when no scorer is given. The manifest records
+        model, dtype: what `load_scorer` loads when no scorer is given (refused with one: the
+            scorer's would run). The manifest records
             the model's fingerprint (config, dtype, weights' hash) and the input's (size and
             content hash), so a resume with another model or input is refused.
         backend: the backend of every `score_batch` call (default the scorer's).
@@ -190,9 +191,19 @@ def score_table(
             "(Scorer.from_pretrained(..., score_calibration=) or scorer.score_calibration)",
             "score_calibration",
         )
+    else:  # the scorer's own model and dtype run, so another named here would be ignored
+        for name, value in (("model", model), ("dtype", dtype)):
+            if value is not None:
+                raise JobConfigError(
+                    "invalid_argument",
+                    f"{name} is what load_scorer loads when no scorer is given; with a scorer, "
+                    f"the scorer's runs: leave {name} out (or load the scorer with it)",
+                    name,
+                )
     layout = spec.layout(
         table.schema, classes_of(scorer), calibrated=scorer.score_calibration is not None
     )
+    check_options(scorer, layout, backend)  # before the output opens: a corrected rerun starts
     fitted: Calibration | None = calibrated.checked(scorer, layout)
     in_fs, in_path = filesystem(input)
     settings = _jsonable(
@@ -210,6 +221,7 @@ def score_table(
         | calibrated.setting(fitted)
     )
     fs, path = filesystem(output)
+    _refuse_output_holding_input(in_fs, in_path, fs, path, output)
     with locking.hold(fs, f"{path.rstrip('/')}.lock", output):
         out = Output.open(fs, path, output, out_format, settings, overwrite)
         summary = _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress)
@@ -266,6 +278,20 @@ def _output_schema(input_schema: pa.Schema, layout) -> pa.Schema:
     return pa.schema([pa.field("row", pa.int64()), *ids, *layout.score_schema()])
 
 
+def _refuse_output_holding_input(in_fs, in_path: str, fs, path: str, output: str) -> None:
+    """An output whose directory or files beside it are (or hold) the input is refused: an
+    overwrite would delete the input before it is read."""
+    if in_fs.protocol != fs.protocol:
+        return
+    directory, *files = paths(path)
+    if in_path in files or in_path == directory or in_path.startswith(f"{directory}/"):
+        raise JobConfigError(
+            "output_holds_input",
+            f"the output {output} holds the input {in_path}; name an output apart from it",
+            "output",
+        )
+
+
 def _output_format(output: str, given: str | None) -> str:
     if given is None and not os.path.splitext(output.rstrip("/"))[1]:
         return "parquet"
@@ -294,6 +320,8 @@ def _shards(
                 pending, held, index = [], 0, index + 1
     if pending:
         yield index, index * shard_rows, pa.Table.from_batches(pending)
+    elif index == held == 0 and wanted(0):  # an empty table: one empty shard holds the columns
+        yield 0, 0, pa.schema([table.schema.field(c) for c in columns]).empty_table()
 
 
 def _jsonable(value: Any) -> Any:

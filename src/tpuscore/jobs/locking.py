@@ -72,6 +72,7 @@ def hold(fs: fsspec.AbstractFileSystem, lock_path: str, output: str) -> Iterator
 def _hold_local(path: str, output: str) -> Iterator[dict]:
     import fcntl
 
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # an output not made yet
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

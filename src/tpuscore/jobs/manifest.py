@@ -72,9 +72,14 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, value: dict[str, Any]) -> Manifest:
-        if value.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} manifest (format {value.get('format')!r})")
+    def from_json(cls, value: Any) -> Manifest:
+        if not isinstance(value, dict) or value.get("format") != FORMAT:
+            found = (
+                f"format {value.get('format')!r}"
+                if isinstance(value, dict)
+                else f"a JSON {type(value).__name__}"
+            )
+            raise ValueError(f"not a {FORMAT} manifest ({found})")
         shards = tuple(ShardRecord(**s) for s in value["shards"])
         return cls(value["settings"], shards, bool(value["complete"]))
 

@@ -42,32 +42,52 @@ def _manifest(output: str | os.PathLike):
 
 
 def read_output(output: str | os.PathLike) -> pa.Table:
-    """The committed rows of a job's output, in row order, with the types of its schema."""
+    """The committed rows of a job's output, in row order, with the types of its schema; a
+    committed shard missing or damaged is a `TableError` naming it (the job run again repairs
+    it)."""
     fs, directory, _, manifest, schema = _manifest(output)
     tables = []
     for record in manifest.shards:
-        with fs.open(posixpath.join(directory, record.file), "rb") as f:
-            if manifest.settings["output_format"] == "parquet":
-                import pyarrow.parquet as pq
-
-                # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
-                tables.append(pq.read_table(f).cast(schema))
-                continue
-            rows = [json.loads(line) for line in f.read().decode().splitlines()]
-        columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
-        tables.append(pa.Table.from_arrays(columns, schema=schema))
+        try:
+            tables.append(_read_shard(fs, directory, record.file, manifest, schema))
+        except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+            raise TableError(
+                f"{output}: shard {record.file} cannot be read ({type(e).__name__}: {e}); run "
+                "the job again to score it again"
+            ) from None
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _read_shard(fs, directory: str, name: str, manifest, schema: pa.Schema) -> pa.Table:
+    with fs.open(posixpath.join(directory, name), "rb") as f:
+        if manifest.settings["output_format"] == "parquet":
+            import pyarrow.parquet as pq
+
+            # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
+            return pq.read_table(f).cast(schema)
+        rows = [json.loads(line) for line in f.read().decode().splitlines()]
+    columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def read_errors(output: str | os.PathLike) -> pa.Table:
     """The errors file of a job's output as a table: row, the id columns (their input types),
-    code, message, param."""
+    code, message, param; an errors file missing or damaged is a `TableError` naming it (the
+    job run again repairs it)."""
     fs, _, errors_path, manifest, schema = _manifest(output)
     ids = [f for f in schema if f.name in manifest.settings["spec"]["id_columns"]]
     errors_schema = pa.schema([pa.field("row", pa.int64()), *ids, *ERROR_FIELDS])
-    with fs.open(errors_path, "rb") as f:
-        data = f.read(manifest.errors_bytes).decode()
-    lines = [json.loads(line) for line in data.splitlines()]
+    try:
+        with fs.open(errors_path, "rb") as f:
+            data = f.read(manifest.errors_bytes)
+        if len(data) < manifest.errors_bytes:
+            raise ValueError(f"{len(data)} bytes, not the {manifest.errors_bytes} committed")
+        lines = [json.loads(line) for line in data.decode().splitlines()]
+    except (OSError, ValueError) as e:
+        raise TableError(
+            f"{output}: {errors_path} cannot be read ({type(e).__name__}: {e}); run the job "
+            "again to score its rows again"
+        ) from None
     columns = [values.from_json([e["row"] for e in lines], pa.int64())]
     columns += [values.from_json([e["ids"][f.name] for e in lines], f.type) for f in ids]
     columns += [pa.array([e[f.name] for e in lines], f.type) for f in ERROR_FIELDS]

@@ -80,9 +80,10 @@ def score_rows(
         fail_fast: raise `RowFailed` at the first bad row instead of setting it aside.
 
     Raises:
-        JobConfigError: an error every row would meet (a job-wide label that is not one token).
+        JobConfigError: an error every row would meet (a job-wide label that is not one token,
+            an unknown backend).
         RowFailed: with fail_fast, a bad row.
-        ValidationError: the backend cannot run these requests (`unknown_backend`).
+        ValidationError: the backend cannot run these requests.
     """
     n = batch.num_rows
     errors: dict[int, ValidationError] = {}
@@ -94,7 +95,7 @@ def score_rows(
 
     units, prepared = [], []
     for unit in _units(layout, batch, reject):
-        for ready_unit, request in _prepare(scorer, unit, layout, reject):
+        for ready_unit, request in _prepare(scorer, unit, layout, reject, backend):
             units.append(ready_unit)
             prepared.append(request)
     results = scorer.run(prepared, backend=backend)
@@ -118,6 +119,22 @@ def score_rows(
     columns.update(_score_columns(layout, per_row))
     rejected = [_row_error(layout, batch, first_row, r, errors[r]) for r in sorted(errors)]
     return Scored(pa.table(columns), failed, rejected, backends)
+
+
+def check_options(scorer: Any, layout: Layout, backend: str | None = None) -> None:
+    """Refuse the options the job sets for every row (its labels, suffix, truncation) and its
+    backend (registered, able to run them) before a row is read or an output opened: a request
+    of no items meets each check (with labels per row, under a stand-in label for the rows').
+
+    Raises:
+        JobConfigError: an option or backend the scorer refuses, with its code and param.
+    """
+    own_labels = {"label_token_ids": [0]} if layout.label_names is None else {}
+    request = {"query": [], "items": [], **own_labels, **layout.options}
+    try:
+        scorer.prepare_request(request, backend=backend)
+    except ValidationError as e:
+        raise JobConfigError(e.code, str(e), e.param) from None
 
 
 def _row_error(layout: Layout, batch, first_row: int, row: int, e: ValidationError) -> RowError:
@@ -180,13 +197,16 @@ def _render(tmpl: templates.Template, layout: Layout, query: Any, items: Any) ->
     )
 
 
-def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Unit, Any]]:
+def _prepare(
+    scorer: Any, unit: _Unit, layout: Layout, reject, backend: str | None
+) -> list[tuple[_Unit, Any]]:
     """(unit, prepared request) pairs that score the unit's rows but its bad ones (each passed
     to `reject` with its own error): the unit itself, or its parts where a query's pair rows
     are more than one request of the scorer may hold (`Scorer(limits=)`), or none. An error in
-    an option the job set for every row is the job's (`JobConfigError`)."""
+    an option the job set for every row is the job's (`JobConfigError`); a row's option that
+    `backend` cannot run (an adapter) is the row's, as `score_batch` refuses it."""
     try:
-        return [(unit, scorer.prepare(**unit.request))]
+        return [(unit, scorer.prepare_request(unit.request, backend=backend))]
     except ValidationError as e:
         error = e
     if error.code in GROUP_TOO_LARGE and len(unit.rows) > 1:
@@ -195,9 +215,13 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Un
             _Unit(rows, {**unit.request, "items": part})
             for rows, part in ((unit.rows[:half], items[:half]), (unit.rows[half:], items[half:]))
         ]
-        return [ready for part in parts for ready in _prepare(scorer, part, layout, reject)]
+        return [
+            ready for part in parts for ready in _prepare(scorer, part, layout, reject, backend)
+        ]
     name = re.split(r"[.\[]", error.param or "", maxsplit=1)[0]
-    if name in layout.options:
+    # The job's options and its backend are the job's; a row's adapter its backend cannot run
+    # is the row's.
+    if name in layout.options or (name == "backend" and error.code != "adapter_unsupported"):
         raise JobConfigError(error.code, str(error), error.param)
     if len(unit.rows) == 1 or name != "items":
         for row in unit.rows:
@@ -207,7 +231,7 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Un
     good = []
     for k, item in enumerate(unit.request["items"]):
         try:
-            scorer.prepare(**{**unit.request, "items": [item]})
+            scorer.prepare_request({**unit.request, "items": [item]}, backend=backend)
             good.append(k)
         except ValidationError as e:
             reject(unit.rows[k], e)
@@ -218,7 +242,7 @@ def _prepare(scorer: Any, unit: _Unit, layout: Layout, reject) -> list[tuple[_Un
     if not good:
         return []
     request = {**unit.request, "items": [unit.request["items"][k] for k in good]}
-    return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject)
+    return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject, backend)
 
 
 def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:

@@ -14,8 +14,9 @@ import pyarrow as pa
 from tpuscore.api import templates
 from tpuscore.api.errors import ValidationError
 
-# Score options a row may carry in a column of the same name, where the job does not set them.
-ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate")
+# Score options a row may carry in a column of the same name, where the job does not set them
+# (`adapter`: one of the scorer's LoRA adapters, by name; null is the base model).
+ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate", "adapter")
 PAIRS, REQUESTS = "pairs", "requests"
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
@@ -49,15 +50,20 @@ class RowFailed(Exception):
         self.error = error
 
 
-def _optional_tuple(value: Any) -> tuple | None:
-    """A list of labels as a tuple; a lone string is refused (it would become its characters)."""
+def _optional_tuple(value: Any, param: str = "labels") -> tuple | None:
+    """A list (the labels, or `param`'s values) as a tuple; a lone string is refused (it would
+    become its characters)."""
     if value is None:
         return None
     if isinstance(value, str | bytes):
         raise JobConfigError(
-            "invalid_argument", f"labels must be a list, got the string {value!r}", "labels"
+            "invalid_argument", f"{param} must be a list, got the string {value!r}", param
         )
     return tuple(value)
+
+
+def _id_columns(value: Any) -> tuple[str, ...]:
+    return _optional_tuple(value, "id_columns") or ()
 
 
 @attrs.frozen(kw_only=True)
@@ -80,7 +86,7 @@ class Spec:
 
     query_column: str = "query"
     item_column: str | None = None
-    id_columns: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    id_columns: tuple[str, ...] = attrs.field(default=(), converter=_id_columns)
     labels: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple)
     label_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple)
     template: str | None = None
@@ -162,8 +168,18 @@ class Spec:
                     f"the table has no id column {column!r}; its columns are {', '.join(names)}",
                     "id_columns",
                 )
-        shape = REQUESTS if _holds_items(schema.field(item_column).type) else PAIRS
         row_options = tuple(n for n in ROW_OPTIONS if n in names and n not in options)
+        read = {self.query_column: "query_column", item_column: "item_column"}
+        read |= {c: "id_columns" for c in self.id_columns} | {n: n for n in row_options}
+        for column, param in read.items():
+            if names.count(column) > 1:
+                raise JobConfigError(
+                    "duplicate_column",
+                    f"the table has {names.count(column)} columns named {column!r}; rename them "
+                    "so that the job reads one",
+                    param,
+                )
+        shape = REQUESTS if _holds_items(schema.field(item_column).type) else PAIRS
         if classification or "labels" in options or "label_token_ids" in options:
             row_options = tuple(n for n in row_options if n not in ("labels", "label_token_ids"))
         fixed = classes if classification else options.get("labels", options.get("label_token_ids"))

@@ -7,6 +7,7 @@ than one record batch at a time, so memory holds O(batch), not O(rows).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
@@ -71,7 +72,7 @@ class Table:
                 f"{', '.join(self.schema.names)}"
             )
         fs, path = filesystem(self.url)
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb") as f, _reading(self.url, self.format):
             for batch in _read(f, self.format, list(columns), batch_rows):
                 for start in range(0, batch.num_rows, batch_rows):
                     yield batch.slice(start, batch_rows).select(list(columns))
@@ -99,7 +100,7 @@ def open_table(url: str | os.PathLike, format: str | None = None) -> Table:
     fs, path = filesystem(url)
     if not fs.isfile(path):
         raise TableError(f"{url}: no such file")
-    with fs.open(path, "rb") as f:
+    with fs.open(path, "rb") as f, _reading(url, fmt):
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -107,6 +108,16 @@ def open_table(url: str | os.PathLike, format: str | None = None) -> Table:
             return Table(url, fmt, meta.schema_arrow, meta.metadata.num_rows)
         reader = _open_stream(f, fmt, None)
         return Table(url, fmt, reader.schema, None)
+
+
+@contextlib.contextmanager
+def _reading(url: str, fmt: str) -> Iterator[None]:
+    """pyarrow's errors reading `url` (not the format, a JSON Lines value whose type changes
+    after the first block) as the `TableError` a job reports as bad input."""
+    try:
+        yield
+    except pa.ArrowException as e:
+        raise TableError(f"{url} cannot be read as {fmt}: {e}") from None
 
 
 def _open_stream(f, fmt: str, columns: list[str] | None):

@@ -23,7 +23,7 @@ import tokenizers
 from tpuscore.api import templates, validation
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions
+from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.engine.runner import Engine
 from tpuscore.tasks import ranking
@@ -132,11 +132,10 @@ def aggregate(
     )
 
 
-def _positive(result: ScoreResult, positive: Any) -> int:
-    num_labels = result.logprobs.shape[1]
-    if positive is None:
-        return ranking.default_positive(num_labels, result.classification)
-    return ranking._check_index(positive, "positive", minimum=0, below=num_labels)
+def _positive(request: ScoreRequest, positive: Any) -> int:
+    """The positive label's index, checked as `rank` checks it (at least two labels)."""
+    num_labels = len(request.label_ids)
+    return ranking._check_rank(num_labels, positive, None, request.classification)[0]
 
 
 def score(
@@ -159,10 +158,11 @@ def score(
         request = engine.prepare(query, chunks.items, options)
     except ValidationError as e:
         raise located(e, chunks) from None
-    result = engine.run([request], backend=backend)[0]
     # A chunk's score is rank's: the positive label's probability within the labels (a
     # classification model's class probability).
-    relevance = result.label_probs[:, _positive(result, positive)].astype(np.float64)
+    positive = _positive(request, positive)
+    result = engine.run([request], backend=backend)[0]
+    relevance = result.label_probs[:, positive].astype(np.float64)
     return aggregate(chunks, relevance, chunking, result)
 
 
