@@ -30,6 +30,7 @@ from starlette.responses import Response
 from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import guards
+from tpuscore.serving.batcher import DeadlineExceeded, Overloaded
 from tpuscore.serving.protocol import DefaultOnly, WireRequest, default_only
 from tpuscore.tasks.prompt_logprobs import TOP, PromptLogprobs
 
@@ -218,6 +219,8 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     from tpuscore.serving.app import JSONResponse
 
     _refuse_generation(body)
+    # The server's deadline and queue bound, as a batcher request keeps them (X-Request-Timeout).
+    timeout_s = guards.request_timeout(request.headers, service.batcher.request_timeout_s)
     adapter = service.adapter(body.model)  # an unknown name is model_not_found
     scorer = service.scorer
     prompts = body.prompt
@@ -226,8 +229,19 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     # The request's size as sent, before anything tokenizes it (RequestLimits).
     bounds.check_size(service.limits, items=("prompt", prompts), values={})
     ids, texts = _prompts(body.prompt, scorer.tokenizer)
-    work = asyncio.to_thread(scorer.prompt_logprobs, ids, adapter=adapter)
-    scored = await guards.unless_disconnected(request.receive, work)
+    batcher = service.batcher
+    if batcher.pending + service.completing >= batcher.max_pending:
+        raise Overloaded(batcher.max_pending)
+    service.completing += 1
+    try:
+        work = asyncio.wait_for(
+            asyncio.to_thread(scorer.prompt_logprobs, ids, adapter=adapter), timeout_s
+        )
+        scored = await guards.unless_disconnected(request.receive, work)
+    except TimeoutError:  # wait_for's: the work not started is dropped, a running one discarded
+        raise DeadlineExceeded(timeout_s) from None
+    finally:
+        service.completing -= 1
     strings = _Strings(scorer.tokenizer)
     choices, generated = [], 0
     for i, (result, text) in enumerate(zip(scored, texts, strict=True)):
