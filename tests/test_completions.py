@@ -198,3 +198,22 @@ def test_deadlines_and_max_pending_bound_completions(scorer):
     finally:
         held.gate.set()
         running.stop()
+
+
+def test_echoed_token_ids_text_is_their_tokens_special_ones_too(client, scorer):
+    """A token-id prompt's echoed text is its tokens' strings joined, a special token's too (as
+    vLLM decodes a prompt), so that text_offset indexes the text."""
+    vocab, tokenizer = scorer.config.vocab_size, scorer.tokenizer
+    special = next(
+        i
+        for i in range(vocab)
+        if tokenizer.decode([i]) != tokenizer.decode([i], skip_special_tokens=False)
+    )
+    prompt = [special, 40, 41, 42]
+    response = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert choice["text"] == "".join(tokens)
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert choice["text"][offset:].startswith(token)

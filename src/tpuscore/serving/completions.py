@@ -184,8 +184,10 @@ def _choice(
         tokens.append(generated[0])
         logprobs.append(float(scored.top_logprobs[n - 1, 0]))
     first = 0 if body.echo else n
-    if text is None or not body.echo:
-        text = strings.tokenizer.decode(scored.tokens) if strings.tokenizer and body.echo else ""
+    if text is None or not body.echo:  # token ids: their text, special tokens too (vLLM's)
+        tokenizer = strings.tokenizer
+        echoed = body.echo and tokenizer is not None
+        text = tokenizer.decode(scored.tokens, skip_special_tokens=False) if echoed else ""
     if generated:
         text += strings(generated[0])
     result = None
