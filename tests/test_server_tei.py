@@ -209,3 +209,18 @@ def test_tei_and_other_shapes_told_apart(client, scorer):  # noqa: F811
             assert body["error_type"] == "validation" and param in body["error"], (request, body)
         if code is not None:
             assert response.headers["X-Error-Code"] == code, (request, body)
+
+
+def test_tei_tokenize_counts_each_input_once_in_the_total_length(scorer):  # noqa: F811
+    """RequestLimits' max_total_length bounds a TEI tokenize's inputs as sent, each counted once."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.api.requests import RequestLimits
+    from tpuscore.serving import app as server
+
+    limits = RequestLimits(max_length=8, max_total_length=10)
+    with TestClient(server.create_app(scorer, rerank_template=TEMPLATE, limits=limits)) as c:
+        within = c.post("/tokenize", json={"inputs": ["abcdef"]})
+        assert within.status_code == 200, within.text
+        over = c.post("/tokenize", json={"inputs": ["abcdef", "ghijk"]})
+        assert over.status_code == 413 and over.headers["x-error-code"] == "request_too_large"
