@@ -307,6 +307,22 @@ def test_a_deadline_passing_in_the_queue_fails_it_unscored():
     assert [90] not in fake.queries_run()
 
 
+def test_a_deadline_past_the_platforms_longest_wait_keeps_the_deadline_thread():
+    """A timeout longer than a thread can wait (threading.TIMEOUT_MAX, some 292 years) is no
+    deadline in practice; it must not kill the thread that enforces everyone else's."""
+    fake = FakeScorer()
+    released = fake.hold(1)
+    with Batcher(fake, max_wait_ms=0) as batcher:
+        far = batcher.submit(**request([1], [5]), timeout_s=1e300)
+        fake.wait_runs(1)
+        late = batcher.submit(**request([90], [1]), timeout_s=0.01)
+        with pytest.raises(DeadlineExceeded):
+            late.result(WAIT_S)  # while the worker is still held in the first run
+        released.set()
+        far.result(WAIT_S)
+    assert [90] not in fake.queries_run()
+
+
 def test_a_deadline_passing_during_tokenization_answers_before_it_ends():
     fake = FakeScorer()
     fake.prepare_gate = gate = threading.Event()
