@@ -323,6 +323,36 @@ def test_a_deadline_past_the_platforms_longest_wait_keeps_the_deadline_thread():
     assert [90] not in fake.queries_run()
 
 
+class WatchedCondition:
+    """A Batcher's condition, noting when its worker begins a timed wait (for a batch to fill)."""
+
+    def __init__(self, condition: threading.Condition):
+        self.condition, self.timed_wait = condition, threading.Event()
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.timed_wait.set()
+        return self.condition.wait(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.condition, name)
+
+
+def test_a_max_wait_past_the_platforms_longest_wait_keeps_the_worker():
+    """max_wait_ms longer than a thread can wait still runs a batch once it is full (the worker
+    thread survives its wait); an infinite one is refused."""
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        Batcher(FakeScorer(), max_wait_ms=float("inf"))
+    fake = FakeScorer()
+    with Batcher(fake, max_wait_ms=1e13, max_batch_tokens=8) as batcher:
+        batcher._cond = watched = WatchedCondition(batcher._cond)
+        small = batcher.submit(**request([1], [1]))  # 2 tokens: the worker waits for more
+        assert watched.timed_wait.wait(WAIT_S)
+        full = batcher.submit(**request([2], [3, 4]))  # 8: the batches fill, and run
+        np.testing.assert_array_equal(small.result(WAIT_S).logprobs, expected(request([1], [1])))
+        np.testing.assert_array_equal(full.result(WAIT_S).logprobs, expected(request([2], [3, 4])))
+
+
 def test_a_deadline_passing_during_tokenization_answers_before_it_ends():
     fake = FakeScorer()
     fake.prepare_gate = gate = threading.Event()

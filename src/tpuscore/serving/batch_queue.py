@@ -181,7 +181,7 @@ class BatchQueue:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, threading.TIMEOUT_MAX))
             self._drop_expired()
             batch: list[tuple[Pending, ScoreRequest]] = []
             room = self.max_batch_tokens
