@@ -230,26 +230,29 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
         prompts = [prompts]
     # The request's size as sent, before anything tokenizes it (RequestLimits).
     bounds.check_size(service.limits, items=("prompt", prompts), values={})
-    ids, texts = _prompts(body.prompt, scorer.tokenizer)
     batcher = service.batcher
     if batcher.pending + service.completing >= batcher.max_pending:
         raise Overloaded(batcher.max_pending)
+
+    def tokenized_and_scored() -> tuple[list[list[int]], list[tuple[CompletionChoice, int]]]:
+        """Off the event loop: tokenizing and answering prompts within the bounds takes
+        seconds."""
+        ids, texts = _prompts(body.prompt, scorer.tokenizer)
+        scored = scorer.prompt_logprobs(ids, adapter=adapter)
+        strings = _Strings(scorer.tokenizer)
+        pairs = enumerate(zip(scored, texts, strict=True))
+        return ids, [_choice(i, result, text, body, strings) for i, (result, text) in pairs]
+
     service.completing += 1
     try:
-        work = asyncio.wait_for(
-            asyncio.to_thread(scorer.prompt_logprobs, ids, adapter=adapter), timeout_s
-        )
-        scored = await guards.unless_disconnected(request.receive, work)
+        work = asyncio.wait_for(asyncio.to_thread(tokenized_and_scored), timeout_s)
+        ids, answered = await guards.unless_disconnected(request.receive, work)
     except TimeoutError:  # wait_for's: the work not started is dropped, a running one discarded
         raise DeadlineExceeded(timeout_s) from None
     finally:
         service.completing -= 1
-    strings = _Strings(scorer.tokenizer)
-    choices, generated = [], 0
-    for i, (result, text) in enumerate(zip(scored, texts, strict=True)):
-        choice, count = _choice(i, result, text, body, strings)
-        choices.append(choice)
-        generated += count
+    choices = [choice for choice, _ in answered]
+    generated = sum(count for _, count in answered)
     prompt_tokens = sum(map(len, ids))
     response = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}",
