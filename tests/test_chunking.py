@@ -207,3 +207,19 @@ def test_rerank_endpoints_chunk_and_honour_max_chunks_per_doc(scorer, rng):
         "invalid_chunking",
         "chunking.stride",
     )
+
+
+def test_max_chunks_per_doc_beside_a_query_that_fills_the_model_is_sequence_too_long(scorer):
+    """Chunks sized to what fits beside the query: a query that leaves no room is refused as the
+    request's own error (sequence_too_long), not as a negative chunking.window it never sent."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.serving import app as server
+
+    query = "q" * scorer.config.max_position_embeddings
+    with TestClient(server.create_app(scorer, rerank_template=TEMPLATE)) as client:
+        answer = client.post(
+            "/v1/rerank", json={"query": query, "documents": ["a b c"], "max_chunks_per_doc": 2}
+        )
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["X-Error-Code"] == "sequence_too_long", answer.text

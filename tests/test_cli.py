@@ -245,3 +245,24 @@ def test_calibrate_is_a_subcommand_with_its_own_flags(capsys):
         with pytest.raises(SystemExit) as done:
             cli.main(argv)
         assert done.value.code == 2  # calibrate's parser or ours: an unknown flag is refused
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--max-wait-ms=-1",
+        "--max-wait-ms=inf",
+        "--max-batch-tokens=0",
+        "--max-pending=0",
+        "--request-timeout=0",
+        "--request-timeout=nan",
+        "--max-body-bytes=0",
+    ],
+)
+def test_serve_refuses_a_bad_server_flag_before_loading_the_model(tmp_path, capsys, flag):
+    """A bad value of the batcher's or the body's flags is named as the flag, before the model
+    loads (which takes minutes for a large one)."""
+    # A model path that does not exist: loading it first would say it cannot load.
+    status = cli.main(["serve", "--model", str(tmp_path / "nope"), "--port", "0", flag])
+    err = capsys.readouterr().err
+    assert status != 0 and flag.split("=")[0] in err and "cannot load" not in err, err

@@ -3,6 +3,9 @@
 lm-evaluation-harness's own `local-completions` model against the server is tested beside the
 in-process model, in tests/test_lm_eval.py."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import numpy as np
 import pytest
@@ -151,3 +154,86 @@ def test_the_library_refuses_what_is_not_token_ids_with_a_typed_error(scorer, pr
     with pytest.raises(ValidationError) as e:
         scorer.prompt_logprobs(prompts)
     assert (e.value.code, e.value.param) == ("invalid_prompt", param)
+
+
+class HeldPrompts:
+    """The scorer, its prompt_logprobs calls held while `gate` is clear."""
+
+    def __init__(self, scorer):
+        self.scorer, self.gate, self.started = scorer, threading.Event(), threading.Semaphore(0)
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def prompt_logprobs(self, prompts, *, adapter=None):
+        self.started.release()
+        assert self.gate.wait(60)
+        return self.scorer.prompt_logprobs(prompts, adapter=adapter)
+
+
+def test_deadlines_and_max_pending_bound_completions(scorer):
+    """The endpoint keeps the server's bounds as the scoring endpoints do: a bad
+    X-Request-Timeout is 400, a request past its deadline 504, and one past --max-pending 503."""
+    held = HeldPrompts(scorer)
+    app = server.create_app(held, rerank_template=TEMPLATE, batcher_options={"max_pending": 1})
+    running = ServerThread(app)
+    body = {"prompt": [1, 2, 3], "max_tokens": 0, "echo": True, "logprobs": 1}
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            bad = c.post("/v1/completions", json=body, headers={"X-Request-Timeout": "soon"})
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"]["param"] == "X-Request-Timeout"
+            late = c.post("/v1/completions", json=body, headers={"X-Request-Timeout": "0.3"})
+            assert late.status_code == 504, late.text
+            assert late.headers["X-Error-Code"] == "deadline_exceeded"
+            assert held.started.acquire(timeout=60)  # its work began: past the deadline regardless
+            with ThreadPoolExecutor(1) as pool:
+                first = pool.submit(c.post, "/v1/completions", json={**body, "prompt": [4, 5]})
+                assert held.started.acquire(timeout=60)  # admitted, and held
+                second = c.post("/v1/completions", json=body)
+                assert second.status_code == 503, second.text
+                assert second.headers["X-Error-Code"] == "overloaded"
+                held.gate.set()
+                assert first.result(60).status_code == 200
+    finally:
+        held.gate.set()
+        running.stop()
+
+
+def test_echoed_token_ids_text_is_their_tokens_special_ones_too(client, scorer):
+    """A token-id prompt's echoed text is its tokens' strings joined, a special token's too (as
+    vLLM decodes a prompt), so that text_offset indexes the text."""
+    vocab, tokenizer = scorer.config.vocab_size, scorer.tokenizer
+    special = next(
+        i
+        for i in range(vocab)
+        if tokenizer.decode([i]) != tokenizer.decode([i], skip_special_tokens=False)
+    )
+    prompt = [special, 40, 41, 42]
+    response = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert choice["text"] == "".join(tokens)
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert choice["text"][offset:].startswith(token)
+
+
+def test_a_text_prompt_is_tokenized_off_the_event_loop(scorer):
+    """While a text prompt is held inside its tokenizer, /health is answered."""
+    from test_server_tei import GatedTokenizer
+
+    gated = GatedTokenizer(scorer)
+    running = ServerThread(server.create_app(gated, rerank_template=TEMPLATE))
+    body = {"prompt": "the fox", "max_tokens": 0, "echo": True, "logprobs": 1}
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+            held = pool.submit(c.post, "/v1/completions", json=body)
+            assert gated.tokenizer.entered.wait(60)
+            assert c.get("/health", timeout=10).status_code == 200
+            assert not held.done()
+            gated.tokenizer.gate.set()
+            assert held.result(60).status_code == 200
+    finally:
+        gated.tokenizer.gate.set()
+        running.stop()

@@ -6,6 +6,7 @@ request/response assertions are ported here, each citing the TEI file it comes f
 
 import itertools
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -209,3 +210,69 @@ def test_tei_and_other_shapes_told_apart(client, scorer):  # noqa: F811
             assert body["error_type"] == "validation" and param in body["error"], (request, body)
         if code is not None:
             assert response.headers["X-Error-Code"] == code, (request, body)
+
+
+def test_tei_tokenize_counts_each_input_once_in_the_total_length(scorer):  # noqa: F811
+    """RequestLimits' max_total_length bounds a TEI tokenize's inputs as sent, each counted once."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.api.requests import RequestLimits
+    from tpuscore.serving import app as server
+
+    limits = RequestLimits(max_length=8, max_total_length=10)
+    with TestClient(server.create_app(scorer, rerank_template=TEMPLATE, limits=limits)) as c:
+        within = c.post("/tokenize", json={"inputs": ["abcdef"]})
+        assert within.status_code == 200, within.text
+        over = c.post("/tokenize", json={"inputs": ["abcdef", "ghijk"]})
+        assert over.status_code == 413 and over.headers["x-error-code"] == "request_too_large"
+
+
+class TokenizerBehindAGate:
+    """A tokenizer whose encode waits for `gate` (having set `entered`)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.gate, self.entered = tokenizer, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, *args, **kwargs):
+        self.entered.set()
+        assert self.gate.wait(60)
+        return self.tokenizer.encode(*args, **kwargs)
+
+
+class GatedTokenizer:
+    """The scorer, its `tokenizer` behind a gate."""
+
+    def __init__(self, served):
+        self.scorer, self.tokenizer = served, TokenizerBehindAGate(served.tokenizer)
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+
+@pytest.mark.parametrize("body", [{"inputs": ["a long text"]}, {"prompt": "a long text"}])
+def test_tokenize_runs_off_the_event_loop(scorer, body):  # noqa: F811
+    """TEI's and vLLM's /tokenize tokenize in a worker thread: while one is held inside its
+    tokenizer, /health is answered (a large tokenize takes seconds of CPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from helpers import ServerThread
+    from tpuscore.serving import app as server
+
+    gated = GatedTokenizer(scorer)
+    running = ServerThread(server.create_app(gated, rerank_template=TEMPLATE))
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+            held = pool.submit(c.post, "/tokenize", json=body)
+            assert gated.tokenizer.entered.wait(60)
+            assert c.get("/health", timeout=10).status_code == 200
+            assert not held.done()
+            gated.tokenizer.gate.set()
+            assert held.result(60).status_code == 200
+    finally:
+        gated.tokenizer.gate.set()
+        running.stop()

@@ -307,6 +307,52 @@ def test_a_deadline_passing_in_the_queue_fails_it_unscored():
     assert [90] not in fake.queries_run()
 
 
+def test_a_deadline_past_the_platforms_longest_wait_keeps_the_deadline_thread():
+    """A timeout longer than a thread can wait (threading.TIMEOUT_MAX, some 292 years) is no
+    deadline in practice; it must not kill the thread that enforces everyone else's."""
+    fake = FakeScorer()
+    released = fake.hold(1)
+    with Batcher(fake, max_wait_ms=0) as batcher:
+        far = batcher.submit(**request([1], [5]), timeout_s=1e300)
+        fake.wait_runs(1)
+        late = batcher.submit(**request([90], [1]), timeout_s=0.01)
+        with pytest.raises(DeadlineExceeded):
+            late.result(WAIT_S)  # while the worker is still held in the first run
+        released.set()
+        far.result(WAIT_S)
+    assert [90] not in fake.queries_run()
+
+
+class WatchedCondition:
+    """A Batcher's condition, noting when its worker begins a timed wait (for a batch to fill)."""
+
+    def __init__(self, condition: threading.Condition):
+        self.condition, self.timed_wait = condition, threading.Event()
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.timed_wait.set()
+        return self.condition.wait(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.condition, name)
+
+
+def test_a_max_wait_past_the_platforms_longest_wait_keeps_the_worker():
+    """max_wait_ms longer than a thread can wait still runs a batch once it is full (the worker
+    thread survives its wait); an infinite one is refused."""
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        Batcher(FakeScorer(), max_wait_ms=float("inf"))
+    fake = FakeScorer()
+    with Batcher(fake, max_wait_ms=1e13, max_batch_tokens=8) as batcher:
+        batcher._cond = watched = WatchedCondition(batcher._cond)
+        small = batcher.submit(**request([1], [1]))  # 2 tokens: the worker waits for more
+        assert watched.timed_wait.wait(WAIT_S)
+        full = batcher.submit(**request([2], [3, 4]))  # 8: the batches fill, and run
+        np.testing.assert_array_equal(small.result(WAIT_S).logprobs, expected(request([1], [1])))
+        np.testing.assert_array_equal(full.result(WAIT_S).logprobs, expected(request([2], [3, 4])))
+
+
 def test_a_deadline_passing_during_tokenization_answers_before_it_ends():
     fake = FakeScorer()
     fake.prepare_gate = gate = threading.Event()

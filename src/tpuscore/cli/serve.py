@@ -125,14 +125,10 @@ def run(args: argparse.Namespace) -> int:
         return run_replicas(args, server)
     limits = parse_limits(args.warmup_limits)
     request_bounds = request_limits(args)  # before the model loads, as the port check
+    options = batcher_options(args)
     scorer = load_scorer(args)
     if args.warmup == "all":
         warm_shape_set(scorer, limits)
-    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
-    if args.max_pending is not None:
-        batcher_options["max_pending"] = args.max_pending
-    if args.request_timeout is not None:
-        batcher_options["request_timeout_s"] = args.request_timeout
     allowed_hosts = None  # the loopback names and the address itself on a loopback address
     if args.allowed_hosts is not None:
         allowed_hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
@@ -143,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             rerank_template=args.rerank_template,
             max_body_bytes=args.max_body_bytes,
             limits=request_bounds,
-            batcher_options=batcher_options,
+            batcher_options=options,
             allowed_hosts=allowed_hosts,
             metrics_names=args.metrics_names,
         )
@@ -187,11 +183,7 @@ def run_replicas(args: argparse.Namespace, server) -> int:
         ) from None
     from tpuscore.engine import compilation_cache
 
-    batcher_options = {"max_wait_ms": args.max_wait_ms, "max_batch_tokens": args.max_batch_tokens}
-    if args.max_pending is not None:
-        batcher_options["max_pending"] = args.max_pending
-    if args.request_timeout is not None:
-        batcher_options["request_timeout_s"] = args.request_timeout
+    options = batcher_options(args)
     if args.allowed_hosts is None:  # each replica's app checks the Host the gateway passes on
         allowed_hosts = server.guards.default_allowed_hosts(args.host)
     else:
@@ -216,7 +208,7 @@ def run_replicas(args: argparse.Namespace, server) -> int:
             "rerank_template": args.rerank_template,
             "max_body_bytes": args.max_body_bytes,
             "limits": request_limits(args),
-            "batcher_options": batcher_options,
+            "batcher_options": options,
             "metrics_names": args.metrics_names,
             "allowed_hosts": allowed_hosts,
         },
@@ -251,6 +243,41 @@ def add_request_limits(parser: argparse.ArgumentParser) -> None:
             default=field.default,
             help=f"{docs[field.name]} (default {field.default})",
         )
+
+
+# The Batcher's options the serve flags set, and the flag of each.
+BATCHER_FLAGS = {
+    "max_wait_ms": "--max-wait-ms",
+    "max_batch_tokens": "--max-batch-tokens",
+    "max_pending": "--max-pending",
+    "request_timeout_s": "--request-timeout",
+}
+
+
+def batcher_options(args: argparse.Namespace) -> dict[str, object]:
+    """The Batcher's options the flags give, checked (and --max-body-bytes) before the model
+    loads, as the port check; InputError names the flag of a bad value."""
+    from tpuscore.serving.batcher import Batcher
+
+    if args.max_body_bytes < 1:
+        raise InputError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    values = {
+        "max_wait_ms": args.max_wait_ms,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_pending": args.max_pending,
+        "request_timeout_s": args.request_timeout,
+    }
+    options = {
+        name: value
+        for name, value in values.items()
+        if value is not None or name == "max_batch_tokens"
+    }
+    try:  # the Batcher's own checks, on no scorer: it is closed before it could run anything
+        Batcher(None, **options).close()
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        raise InputError(f"{BATCHER_FLAGS.get(name, name)} {rest}") from None
+    return options
 
 
 def request_limits(args: argparse.Namespace):

@@ -126,7 +126,9 @@ class BatchQueue:
                     self._expire(heapq.heappop(self._deadlines)[2])
                 while self._deadlines and self._deadlines[0][2].settled:
                     heapq.heappop(self._deadlines)
-                self._timer.wait(self._deadlines[0][0] - now if self._deadlines else None)
+                # A wait past TIMEOUT_MAX (a timeout of centuries) raises OverflowError.
+                due = self._deadlines[0][0] - now if self._deadlines else None
+                self._timer.wait(None if due is None else min(due, threading.TIMEOUT_MAX))
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class BatchQueue:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, threading.TIMEOUT_MAX))
             self._drop_expired()
             batch: list[tuple[Pending, ScoreRequest]] = []
             room = self.max_batch_tokens

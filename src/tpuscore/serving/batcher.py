@@ -141,8 +141,8 @@ class Batcher(BatchQueue):
     ):
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)):
             raise ValueError(f"max_wait_ms must be a number of milliseconds, got {max_wait_ms!r}")
-        if not max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
+        if not 0 <= max_wait_ms < math.inf:
+            raise ValueError(f"max_wait_ms must be >= 0 and finite, got {max_wait_ms!r}")
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
         if max_request_step_tokens is None:

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import guards
+from tpuscore.serving.batcher import DeadlineExceeded, Overloaded
 from tpuscore.serving.protocol import DefaultOnly, WireRequest, default_only
 from tpuscore.tasks.prompt_logprobs import TOP, PromptLogprobs
 
@@ -183,8 +184,10 @@ def _choice(
         tokens.append(generated[0])
         logprobs.append(float(scored.top_logprobs[n - 1, 0]))
     first = 0 if body.echo else n
-    if text is None or not body.echo:
-        text = strings.tokenizer.decode(scored.tokens) if strings.tokenizer and body.echo else ""
+    if text is None or not body.echo:  # token ids: their text, special tokens too (vLLM's)
+        tokenizer = strings.tokenizer
+        echoed = body.echo and tokenizer is not None
+        text = tokenizer.decode(scored.tokens, skip_special_tokens=False) if echoed else ""
     if generated:
         text += strings(generated[0])
     result = None
@@ -218,6 +221,8 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
     from tpuscore.serving.app import JSONResponse
 
     _refuse_generation(body)
+    # The server's deadline and queue bound, as a batcher request keeps them (X-Request-Timeout).
+    timeout_s = guards.request_timeout(request.headers, service.batcher.request_timeout_s)
     adapter = service.adapter(body.model)  # an unknown name is model_not_found
     scorer = service.scorer
     prompts = body.prompt
@@ -225,15 +230,29 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
         prompts = [prompts]
     # The request's size as sent, before anything tokenizes it (RequestLimits).
     bounds.check_size(service.limits, items=("prompt", prompts), values={})
-    ids, texts = _prompts(body.prompt, scorer.tokenizer)
-    work = asyncio.to_thread(scorer.prompt_logprobs, ids, adapter=adapter)
-    scored = await guards.unless_disconnected(request.receive, work)
-    strings = _Strings(scorer.tokenizer)
-    choices, generated = [], 0
-    for i, (result, text) in enumerate(zip(scored, texts, strict=True)):
-        choice, count = _choice(i, result, text, body, strings)
-        choices.append(choice)
-        generated += count
+    batcher = service.batcher
+    if batcher.pending + service.completing >= batcher.max_pending:
+        raise Overloaded(batcher.max_pending)
+
+    def tokenized_and_scored() -> tuple[list[list[int]], list[tuple[CompletionChoice, int]]]:
+        """Off the event loop: tokenizing and answering prompts within the bounds takes
+        seconds."""
+        ids, texts = _prompts(body.prompt, scorer.tokenizer)
+        scored = scorer.prompt_logprobs(ids, adapter=adapter)
+        strings = _Strings(scorer.tokenizer)
+        pairs = enumerate(zip(scored, texts, strict=True))
+        return ids, [_choice(i, result, text, body, strings) for i, (result, text) in pairs]
+
+    service.completing += 1
+    try:
+        work = asyncio.wait_for(asyncio.to_thread(tokenized_and_scored), timeout_s)
+        ids, answered = await guards.unless_disconnected(request.receive, work)
+    except TimeoutError:  # wait_for's: the work not started is dropped, a running one discarded
+        raise DeadlineExceeded(timeout_s) from None
+    finally:
+        service.completing -= 1
+    choices = [choice for choice, _ in answered]
+    generated = sum(count for _, count in answered)
     prompt_tokens = sum(map(len, ids))
     response = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}",

@@ -147,11 +147,14 @@ class RerankEndpoints:
 
     def chunked(self, query: str, docs: list[str], options: dict[str, Any], max_tokens: int | None):
         """(chunks, Chunking) of the documents; a window left out (Cohere's max_chunks_per_doc
-        alone) is max_tokens_per_doc, else what fits beside the query and the template."""
+        alone) is max_tokens_per_doc, else what fits beside the query and the template (at least
+        a token: a query that leaves none fails sequence_too_long, as without chunking)."""
         if "window" not in options and max_tokens is None:
             part = self.template.render_item("")
-            max_tokens = self.room_beside(query) - len(
-                tokenization.encode_items(self.require_tokenizer("documents"), [part])[0]
+            max_tokens = max(
+                1,
+                self.room_beside(query)
+                - len(tokenization.encode_items(self.require_tokenizer("documents"), [part])[0]),
             )
         options.setdefault("window", max_tokens)
         plan = Chunking.of(options)

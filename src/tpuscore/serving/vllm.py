@@ -118,7 +118,9 @@ class VllmEndpoints:
         tokenizer = self.require_tokenizer("prompt")
         bounds.check_size(self.limits, items=("prompt", []), values={"prompt": body.prompt})
         bounds.check_text(body.prompt, "prompt")
-        encoding = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        encoding = await asyncio.to_thread(  # off the event loop, as every tokenization
+            tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
         response = responses.TokenizeResponse(
             count=len(encoding.ids),
             max_model_len=self.scorer.config.max_position_embeddings,
