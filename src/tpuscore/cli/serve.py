@@ -257,8 +257,6 @@ BATCHER_FLAGS = {
 def batcher_options(args: argparse.Namespace) -> dict[str, object]:
     """The Batcher's options the flags give, checked (and --max-body-bytes) before the model
     loads, as the port check; InputError names the flag of a bad value."""
-    from tpuscore.serving.batcher import Batcher
-
     if args.max_body_bytes < 1:
         raise InputError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     values = {
@@ -267,16 +265,13 @@ def batcher_options(args: argparse.Namespace) -> dict[str, object]:
         "max_pending": args.max_pending,
         "request_timeout_s": args.request_timeout,
     }
-    options = {
-        name: value
-        for name, value in values.items()
-        if value is not None or name == "max_batch_tokens"
-    }
-    try:  # the Batcher's own checks, on no scorer: it is closed before it could run anything
-        Batcher(None, **options).close()
-    except ValueError as e:
-        name, _, rest = str(e).partition(" ")
-        raise InputError(f"{BATCHER_FLAGS.get(name, name)} {rest}") from None
+    options = {name: value for name, value in values.items() if value is not None}
+    from tpuscore.serving.batcher import OptionError, check_options
+
+    try:
+        check_options(**options)
+    except OptionError as e:
+        raise InputError(f"{BATCHER_FLAGS[e.option]} {e.message}") from None
     return options
 
 

@@ -97,6 +97,51 @@ class Overloaded(RuntimeError):
         self.max_pending = max_pending
 
 
+class OptionError(ValueError):
+    """A `Batcher` option out of its range; `option` names it (the serve command names its flag)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option} {message}")
+        self.option, self.message = option, message
+
+
+# Counts whose None means the default (max_queued_tokens: no bound).
+_DEFAULTED = ("max_batch_tokens", "max_request_step_tokens", "max_queued_tokens")
+
+
+def check_options(
+    *,
+    max_wait_ms: Any = 2.0,
+    max_batch_tokens: Any = None,
+    max_pending: Any = 1024,
+    max_request_step_tokens: Any = None,
+    max_queued_tokens: Any = None,
+    request_timeout_s: Any = None,
+    tokenize_workers: Any = DEFAULT_TOKENIZE_WORKERS,
+) -> None:
+    """Raise `OptionError` for the first `Batcher` option out of its range (None: its default)."""
+    if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)):
+        raise OptionError("max_wait_ms", f"must be a number of milliseconds, got {max_wait_ms!r}")
+    if not 0 <= max_wait_ms < math.inf:
+        raise OptionError("max_wait_ms", f"must be >= 0 and finite, got {max_wait_ms!r}")
+    for name, value in (
+        ("max_batch_tokens", max_batch_tokens),
+        ("max_pending", max_pending),
+        ("max_request_step_tokens", max_request_step_tokens),
+        ("max_queued_tokens", max_queued_tokens),
+        ("tokenize_workers", tokenize_workers),
+    ):
+        if value is None and name in _DEFAULTED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionError(name, f"must be an int >= 1, got {value!r}")
+    if request_timeout_s is not None and not _is_positive_seconds(request_timeout_s):
+        raise OptionError(
+            "request_timeout_s",
+            f"must be a positive number of seconds or None, got {request_timeout_s!r}",
+        )
+
+
 class Batcher(BatchQueue):
     """Coalesces concurrent `score` calls on one scorer into shared `scorer.run` calls.
 
@@ -139,28 +184,19 @@ class Batcher(BatchQueue):
         request_timeout_s: float | None = None,
         tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS,
     ):
-        if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)):
-            raise ValueError(f"max_wait_ms must be a number of milliseconds, got {max_wait_ms!r}")
-        if not 0 <= max_wait_ms < math.inf:
-            raise ValueError(f"max_wait_ms must be >= 0 and finite, got {max_wait_ms!r}")
+        check_options(
+            max_wait_ms=max_wait_ms,
+            max_batch_tokens=max_batch_tokens,
+            max_pending=max_pending,
+            max_request_step_tokens=max_request_step_tokens,
+            max_queued_tokens=max_queued_tokens,
+            request_timeout_s=request_timeout_s,
+            tokenize_workers=tokenize_workers,
+        )
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
         if max_request_step_tokens is None:
             max_request_step_tokens = max_batch_tokens
-        for name, value in (
-            ("max_batch_tokens", max_batch_tokens),
-            ("max_pending", max_pending),
-            ("max_request_step_tokens", max_request_step_tokens),
-            ("max_queued_tokens", 1 if max_queued_tokens is None else max_queued_tokens),
-            ("tokenize_workers", tokenize_workers),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if request_timeout_s is not None and not _is_positive_seconds(request_timeout_s):
-            raise ValueError(
-                f"request_timeout_s must be a positive number of seconds or None, "
-                f"got {request_timeout_s!r}"
-            )
         self.scorer = scorer
         self.max_wait_ms = float(max_wait_ms)
         self.max_batch_tokens = max_batch_tokens
