@@ -223,3 +223,23 @@ def test_max_chunks_per_doc_beside_a_query_that_fills_the_model_is_sequence_too_
         )
     assert answer.status_code == 400, answer.text
     assert answer.headers["X-Error-Code"] == "sequence_too_long", answer.text
+
+
+def test_chunks_past_the_servers_max_items_are_refused(scorer):
+    """Each chunk is an item: a one-token window over a long document is bounded by the server's
+    max_items as that many documents would be, before anything is scored."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.api.requests import RequestLimits
+    from tpuscore.serving import app as server
+
+    limits = RequestLimits(max_items=8)
+    app = server.create_app(scorer, rerank_template=TEMPLATE, limits=limits)
+    body = {"query": "q", "documents": ["one two three four five six seven eight nine ten"]}
+    with TestClient(app) as client:
+        narrow = client.post("/v1/rerank", json={**body, "chunking": {"window": 1}})
+        wide = client.post("/v1/rerank", json={**body, "chunking": {"window": 64}})
+    assert narrow.status_code == 413, narrow.text
+    assert narrow.headers["X-Error-Code"] == "too_many_items", narrow.text
+    assert "chunks" in narrow.json()["error"]["message"]
+    assert wide.status_code == 200, wide.text

@@ -117,6 +117,7 @@ class RerankEndpoints:
             chunks, chunking = await asyncio.to_thread(
                 self.chunked, query, docs, chunking, body.max_tokens_per_doc
             )
+            bounds.check_chunks(self.limits, len(chunks.items), self.num_labels)
             texts = chunks.items  # a chunk is window tokens; fit still fits
         elif body.max_tokens_per_doc is not None and tokenizer is not None:
             # The document's own tokens, not the template's words around it.
