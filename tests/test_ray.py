@@ -73,6 +73,24 @@ def test_score_rows_takes_pandas_and_returns_pandas(checkpoint_dir, rng):
     )
 
 
+def test_a_pandas_count_column_with_a_missing_value_is_read_as_counts(checkpoint_dir, rng):
+    """pandas holds an int column with a missing value as float64: its whole floats are the
+    rows' max_item_tokens, as the same column in Arrow, not an error on every row."""
+    from tpuscore.integrations.ray import ScoreRows
+
+    table = pairs_table(rng, 4)
+    limits = pa.array([3, None, 2, 5], pa.int64())
+    table = table.append_column("max_item_tokens", limits)
+    score = ScoreRows(str(checkpoint_dir(CASE)), dtype="float32", **SPEC)
+    frame = table.to_pandas()
+    assert frame["max_item_tokens"].dtype == np.float64
+    from_pandas, from_arrow = score(frame), score(table)
+    assert from_pandas["error_code"].isna().all(), list(from_pandas["error"])
+    np.testing.assert_array_equal(
+        from_pandas["logprob_a"].to_numpy(), from_arrow.column("logprob_a").to_numpy()
+    )
+
+
 def test_an_unknown_backend_fails_the_batch_and_an_adapter_row_is_its_own(checkpoint_dir, rng):
     """A bad setting fails the dataset, not each row; a row naming an adapter the scorer did
     not load is that row's error (the `adapter` column, as a job reads it)."""

@@ -38,6 +38,9 @@ from tpuscore.jobs.spec import (
 # A request's size bounds that a query's grouped pair rows can pass together though no row
 # passes them alone: such a group is scored in parts instead.
 GROUP_TOO_LARGE = frozenset({"too_many_items", "too_many_scores", "request_too_large"})
+# Row options that are counts: a column of them with nulls arrives as floats from pandas (an
+# int Series with a missing value is float64), which a whole float reads back as.
+COUNT_OPTIONS = frozenset({"max_item_tokens"})
 
 
 @attrs.frozen
@@ -143,13 +146,22 @@ def _row_error(layout: Layout, batch, first_row: int, row: int, e: ValidationErr
     return RowError(first_row + row, ids, e.code, str(e), e.param)
 
 
+def _option_values(column: pa.ChunkedArray | pa.Array, name: str) -> list[Any]:
+    """A row option column's values; a count's whole floats as ints (any other value is left
+    for the scorer to refuse)."""
+    found = column.to_pylist()
+    if name not in COUNT_OPTIONS or not pa.types.is_floating(column.type):
+        return found
+    return [int(v) if isinstance(v, float) and v.is_integer() else v for v in found]
+
+
 def _units(layout: Layout, batch, reject) -> list[_Unit]:
     """The batch's rows as requests: a row's own options, the template rendered, pair rows of
     one query and options grouped."""
     n = batch.num_rows
     queries = batch.column(layout.query_column).to_pylist()
     items = batch.column(layout.item_column).to_pylist()
-    own = {name: batch.column(name).to_pylist() for name in layout.row_options}
+    own = {name: _option_values(batch.column(name), name) for name in layout.row_options}
     tmpl = templates.get(layout.template) if layout.template is not None else None
     rows, options = [], []
     for r in range(n):
