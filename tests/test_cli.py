@@ -254,6 +254,7 @@ def test_calibrate_is_a_subcommand_with_its_own_flags(capsys):
         "--max-wait-ms=inf",
         "--max-batch-tokens=0",
         "--max-pending=0",
+        "--max-queued-tokens=0",
         "--request-timeout=0",
         "--request-timeout=nan",
         "--max-body-bytes=0",

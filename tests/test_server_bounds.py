@@ -313,6 +313,19 @@ def test_an_nn_score_is_admitted_whole_or_refused_once(scorers):
     assert held.queries and not rendered & set(held.queries), held.queries
 
 
+def test_the_servers_queue_is_bounded_in_tokens_unless_told_otherwise(scorers):
+    """--max-pending alone let 1024 bodies of 16 MiB queue: the server's batcher also bounds
+    the tokens it holds queued, by default and as given."""
+    bounded = server.create_app(scorers(CASE), rerank_template=TEMPLATE)
+    given = server.create_app(
+        scorers(CASE), rerank_template=TEMPLATE, batcher_options={"max_queued_tokens": 5}
+    )
+    batchers = [app.state.service.batcher for app in (bounded, given)]
+    for batcher in batchers:
+        batcher.close()
+    assert [b.max_queued_tokens for b in batchers] == [server.DEFAULT_MAX_QUEUED_TOKENS, 5]
+
+
 # -- a property: answers and memory bounded by the request's size ------------------------------
 
 # The stated bounds (docs/serving.md, "Request size bounds"): an answer is at most

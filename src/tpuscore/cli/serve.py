@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="unfinished requests (queued or running) beyond which the server answers 503",
     )
     add(
+        "--max-queued-tokens",
+        type=int,
+        help="tokens queued (estimated from text bytes until tokenized) beyond which the server "
+        "answers 503 (default 8,388,608; a request alone in the queue always gets in)",
+    )
+    add(
         "--request-timeout",
         type=float,
         help="seconds a request may wait for its answer (default: no limit); past it the "
@@ -250,6 +256,7 @@ BATCHER_FLAGS = {
     "max_wait_ms": "--max-wait-ms",
     "max_batch_tokens": "--max-batch-tokens",
     "max_pending": "--max-pending",
+    "max_queued_tokens": "--max-queued-tokens",
     "request_timeout_s": "--request-timeout",
 }
 
@@ -263,6 +270,7 @@ def batcher_options(args: argparse.Namespace) -> dict[str, object]:
         "max_wait_ms": args.max_wait_ms,
         "max_batch_tokens": args.max_batch_tokens,
         "max_pending": args.max_pending,
+        "max_queued_tokens": args.max_queued_tokens,
         "request_timeout_s": args.request_timeout,
     }
     options = {name: value for name, value in values.items() if value is not None}

@@ -87,6 +87,10 @@ __all__ = [
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_ITEMS = RequestLimits().max_items
+# Tokens the server's batcher holds queued (estimated from text bytes until tokenized): about
+# 300 MB of token lists at most, where --max-pending alone let 1024 bodies of 16 MiB queue. A
+# request alone in the queue always gets in, so the largest body is never refused for it.
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 23
 # Seconds an idle keep-alive connection stays open: past the 60 s idle timeout common to load
 # balancers (AWS ALB, GCP's and nginx's defaults are 60 s or less), uvicorn's 5 s is not.
 DEFAULT_KEEP_ALIVE_S = 75
@@ -113,8 +117,9 @@ def create_app(
     (the rerank endpoints and vLLM's /score answer 404 `rerank_not_configured`; /v1/score is
     served, whatever the model's tokenizer makes of the templates' labels). The app
     builds a Batcher from batcher_options (keyword arguments of `Batcher`; its
-    `request_timeout_s` is the server's deadline) and closes it at shutdown, unless given one
-    to share, which the caller closes.
+    `request_timeout_s` is the server's deadline; `max_queued_tokens` defaults to
+    `DEFAULT_MAX_QUEUED_TOKENS`) and closes it at shutdown, unless given one to share, which the
+    caller closes.
 
     allowed_hosts: the Host names it answers besides the address a connection reached, others
     get 400 `invalid_host`; default (None): on a loopback address the loopback names, on
@@ -128,7 +133,8 @@ def create_app(
         limits = attrs.evolve(limits, max_items=max_items)
     own = batcher is None
     if own:
-        batcher = Batcher(scorer, **dict(batcher_options or {}))
+        options = {"max_queued_tokens": DEFAULT_MAX_QUEUED_TOKENS, **(batcher_options or {})}
+        batcher = Batcher(scorer, **options)
     try:
         service = Service(
             scorer,
