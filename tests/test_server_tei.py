@@ -154,7 +154,9 @@ def test_tei_tokens_special(tmp_path, add_special_tokens):
     # A token the tokenizer adds (its special_tokens_mask, as TEI reads it) has its own text and
     # no offsets; the others span the input's bytes.
     tokenizer = hf_reference.train_tokenizer(tmp_path, add_bos=True)
-    tokens = [t.model_dump() for t in tei.tokens_of(tokenizer, "the fox", add_special_tokens)]
+    encoding = tokenizer.encode("the fox", add_special_tokens=add_special_tokens)
+    tokens = tei.tokens_of(encoding, "the fox")
+    assert tokens == [tei.TeiToken(**t).model_dump() for t in tokens]  # TEI's token, as declared
     bos = {"id": 0, "text": hf_reference.BOS, "special": True, "start": None, "stop": None}
     assert (tokens[0] == bos) is add_special_tokens
     rest = tokens[1:] if add_special_tokens else tokens
@@ -227,6 +229,25 @@ def test_tei_tokenize_counts_each_input_once_in_the_total_length(scorer):  # noq
         assert over.status_code == 413 and over.headers["x-error-code"] == "request_too_large"
 
 
+def test_tei_tokenize_answers_at_most_max_scores_tokens(scorer):  # noqa: F811
+    """A TEI tokenize answer holds a JSON object per token: a body within the length bounds
+    could make millions. Its tokens are bounded as a score answer's scores are (max_scores)."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.api.requests import RequestLimits
+    from tpuscore.serving import app as server
+
+    text = "the quick brown fox"
+    count = len(scorer.tokenizer.encode(text).ids)
+    limits = RequestLimits(max_scores=2 * count)
+    with TestClient(server.create_app(scorer, rerank_template=TEMPLATE, limits=limits)) as c:
+        within = c.post("/tokenize", json={"inputs": [text, text]})
+        over = c.post("/tokenize", json={"inputs": [text, text, text]})
+    assert within.status_code == 200 and sum(map(len, within.json())) == 2 * count
+    assert over.status_code == 413 and over.headers["x-error-code"] == "request_too_large"
+    assert "--max-scores" in over.json()["error"], over.text
+
+
 class TokenizerBehindAGate:
     """A tokenizer whose encode waits for `gate` (having set `entered`)."""
 
@@ -240,6 +261,11 @@ class TokenizerBehindAGate:
         self.entered.set()
         assert self.gate.wait(60)
         return self.tokenizer.encode(*args, **kwargs)
+
+    def encode_batch(self, *args, **kwargs):
+        self.entered.set()
+        assert self.gate.wait(60)
+        return self.tokenizer.encode_batch(*args, **kwargs)
 
 
 class GatedTokenizer:

@@ -215,13 +215,16 @@ async def rerank(service: Service, request: Request, body: TeiRerankRequest) -> 
     return JSONResponse(ranks)
 
 
-def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiToken]:
-    """TEI's tokens of one text: byte offsets into its UTF-8, and the bytes they span as text
-    (core/src/tokenization.rs `into_tokens`); a special token has its own text and no offsets."""
-    encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+def tokens_of(encoding: Any, text: str) -> list[dict[str, Any]]:
+    """TEI's tokens of one text's encoding: byte offsets into its UTF-8, and the bytes they span
+    as text (core/src/tokenization.rs `into_tokens`); a special token has its own text and no
+    offsets. Plain dicts, as `TeiToken` dumps them: a pydantic object per token took ~1.4 KB."""
     data = text.encode("utf-8")
-    # tokenizers' Python encodings give character offsets; TEI's are bytes.
-    byte_at = np.concatenate(([0], np.cumsum([len(c.encode("utf-8")) for c in text], dtype=int)))
+    # tokenizers' Python encodings give character offsets; TEI's are bytes. A character's UTF-8
+    # length from its code point, without a Python object per character.
+    points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    byte_at = np.concatenate(([0], np.cumsum(widths))).tolist()
     tokens = []
     for token_id, (start, stop), special, token in zip(
         encoding.ids,
@@ -231,25 +234,42 @@ def tokens_of(tokenizer: Any, text: str, add_special_tokens: bool) -> list[TeiTo
         strict=True,
     ):
         if special:
-            tokens.append(TeiToken(id=token_id, text=token, special=True, start=None, stop=None))
+            tokens.append({"id": token_id, "text": token, "special": True, "start": None,
+                           "stop": None})  # fmt: skip
             continue
-        first, last = int(byte_at[start]), int(byte_at[stop])
+        first, last = byte_at[start], byte_at[stop]
         piece = data[first:last].decode("utf-8", errors="replace")
-        tokens.append(TeiToken(id=token_id, text=piece, special=False, start=first, stop=last))
+        tokens.append({"id": token_id, "text": piece, "special": False, "start": first,
+                       "stop": last})  # fmt: skip
     return tokens
+
+
+def _tokenized(service: Service, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+    """Each text's TEI tokens, the answer bounded as a score answer is: at most max_scores
+    tokens in all (a body within the length bounds can hold millions, ~300 bytes each here and
+    ~70 in the JSON)."""
+    tokenizer = service.require_tokenizer("inputs")
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    total, most = sum(len(e.ids) for e in encodings), service.limits.max_scores
+    if total > most:
+        raise ValidationError(
+            "request_too_large",
+            f"the inputs make {total} tokens; this server answers at most {most} per request "
+            "(--max-scores)",
+            "inputs",
+        )
+    return [tokens_of(e, text) for e, text in zip(encodings, texts, strict=True)]
 
 
 async def tokenize(service: Service, body: TeiTokenizeRequest) -> Response:
     """TEI's tokenize: each input's tokens under the served model's tokenizer."""
-    tokenizer = service.require_tokenizer("inputs")
+    service.require_tokenizer("inputs")
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     bounds.check_size(service.limits, items=("inputs", inputs), values={})
     bounds.check_texts({"inputs": body.inputs})
     # Off the event loop: inputs within the bounds can take seconds to tokenize.
-    tokens = await asyncio.to_thread(
-        lambda: [tokens_of(tokenizer, text, body.add_special_tokens) for text in inputs]
-    )
-    return JSONResponse(TeiTokenizeResponse(tokens).model_dump())
+    tokens = await asyncio.to_thread(_tokenized, service, inputs, body.add_special_tokens)
+    return JSONResponse(tokens)
 
 
 def routes(service: Service) -> list[tuple[str, Callable[..., Any], Any]]:
