@@ -63,6 +63,29 @@ def test_echo_returns_every_prompt_tokens_logprob(client, scorer, rng):
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
 
+def test_an_echoed_answer_holds_at_most_max_scores_logprobs(scorer, rng):
+    """echo with logprobs answers (1 + logprobs) entries per prompt token: bounded by
+    max_scores, as a score answer is, before anything runs; without echo it is not echoed."""
+    from fastapi.testclient import TestClient
+
+    from tpuscore.api.requests import RequestLimits
+
+    prompt = random_tokens(rng, 10, scorer.config.vocab_size)
+    limits = RequestLimits(max_scores=40)
+    app = server.create_app(scorer, rerank_template=TEMPLATE, limits=limits)
+    with TestClient(app) as c:
+        within = c.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 3,
+                                                 "max_tokens": 0})  # fmt: skip
+        over = c.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 4,
+                                               "max_tokens": 0})  # fmt: skip
+        unechoed = c.post("/v1/completions", json={"prompt": prompt, "logprobs": 4,
+                                                   "max_tokens": 1})  # fmt: skip
+    assert within.status_code == 200, within.text  # 10 tokens x 4 entries
+    assert over.status_code == 413, over.text  # 10 x 5
+    assert over.headers["X-Error-Code"] == "too_many_scores"
+    assert unechoed.status_code == 200, unechoed.text
+
+
 def test_max_tokens_1_adds_the_greedy_next_token_and_nothing_more(client, scorer, rng):
     prompt = random_tokens(rng, 9, scorer.config.vocab_size)
     body = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)

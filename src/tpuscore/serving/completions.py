@@ -216,6 +216,23 @@ def _choice(
     return CompletionChoice(index=index, text=text, logprobs=result), len(generated)
 
 
+def _check_answer_size(limits, ids: list[list[int]], body: CompletionRequest) -> None:
+    """An echoed answer holds each prompt token and its top alternatives: bounded as a score
+    answer's scores are (max_scores), or prompts within the length bounds would make an answer
+    of hundreds of millions of entries."""
+    if not body.echo:
+        return
+    entries = sum(map(len, ids)) * (1 + (body.logprobs or 0))
+    if entries > limits.max_scores:
+        raise ValidationError(
+            "too_many_scores",
+            f"echoing {sum(map(len, ids))} prompt tokens with {body.logprobs or 0} alternatives "
+            f"each is {entries} log-probabilities; this server answers at most "
+            f"{limits.max_scores} per request (--max-scores)",
+            "prompt",
+        )
+
+
 async def complete(service: Service, request: Request, body: CompletionRequest) -> Response:
     """OpenAI's `/v1/completions`, for scoring."""
     from tpuscore.serving.app import JSONResponse
@@ -238,6 +255,7 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
         """Off the event loop: tokenizing and answering prompts within the bounds takes
         seconds."""
         ids, texts = _prompts(body.prompt, scorer.tokenizer)
+        _check_answer_size(service.limits, ids, body)
         scored = scorer.prompt_logprobs(ids, adapter=adapter)
         strings = _Strings(scorer.tokenizer)
         pairs = enumerate(zip(scored, texts, strict=True))
