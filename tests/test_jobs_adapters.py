@@ -70,6 +70,28 @@ def test_a_resume_with_other_adapter_weights_is_refused(lora, rng, tmp_path):
     assert [c[0] for c in refused.value.changed] == ["model.adapters.sha256"]
 
 
+def test_an_output_that_read_other_row_option_columns_is_not_resumed(lora, rng, tmp_path):
+    """The columns rows took their options from are the job's settings: an output written by a
+    version that did not read the adapter column (its manifest without them) is not resumed
+    with rows that now pick adapters."""
+    import json
+
+    _, scorer, _ = lora
+    table = pa.table({"query": [_text(rng, 3, 8)] * 4, "item": ["a b", "c", "d", "e"]})
+    table = table.append_column("adapter", pa.array([NAME] * 4))
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    kwargs = dict(labels=LABELS, shard_rows=2)
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **kwargs)
+    manifest = tmp_path / "out.manifest.json"
+    written = json.loads(manifest.read_text())
+    assert written["settings"]["row_options"] == ["adapter"]
+    del written["settings"]["row_options"]
+    manifest.write_text(json.dumps(written))
+    with pytest.raises(ResumeRefused) as refused:
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **kwargs)
+    assert [c[0] for c in refused.value.changed] == ["row_options"]
+
+
 def test_an_adapter_row_on_a_backend_without_adapters_is_that_rows_error(lora, rng, tmp_path):
     """As `score_batch` refuses such a request before anything runs: the row, not the job."""
     _, scorer, _ = lora

@@ -218,6 +218,9 @@ def score_table(
             "model": fingerprints.of_model(scorer),
             "backend": backend,
         }
+        # The columns each row's own options come from: a version that reads another (the
+        # adapter column) must not resume an output that read them otherwise.
+        | ({"row_options": list(layout.row_options)} if layout.row_options else {})
         | calibrated.setting(fitted)
     )
     fs, path = filesystem(output)
