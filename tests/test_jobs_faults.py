@@ -19,7 +19,7 @@ from test_jobs import CASE, pairs_table
 from tpuscore.jobs import load_scorer, score_table
 
 SHARD_ROWS = 8
-SHARDS = 8
+SHARDS = 16
 
 
 def _committed(manifest_path) -> int:
@@ -92,12 +92,16 @@ def test_faults_end_in_a_refusal_or_the_uninterrupted_table(checkpoint_dir, rng,
     first.wait(timeout=60)
     assert Path(f"{output}.lock").exists()  # left behind, naming a dead pid
 
-    # 2. SIGKILLs at random moments after a commit, each run taking the dead one's lock over.
+    # 2. SIGKILLs at random moments of a shard's work, each run taking the dead one's lock over.
+    # The moment is a random share of the shard time this run just showed (a fixed delay let a
+    # fast machine commit every shard before the kill).
     for _ in range(2):
         job = start()
         before = _committed(manifest)
         _until(lambda before=before: _committed(manifest) > before, job)
-        time.sleep(rng.uniform(0, 0.05))  # a random point in the next shard's work
+        shard_start = time.monotonic()
+        _until(lambda before=before: _committed(manifest) > before + 1, job)
+        time.sleep(rng.uniform(0, 1) * (time.monotonic() - shard_start))
         job.send_signal(signal.SIGKILL)
         job.wait(timeout=60)
     killed_at = _committed(manifest)
