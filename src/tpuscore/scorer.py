@@ -43,10 +43,8 @@ class Scorer:
     """Scores items against a query with a decoder-only LM: log P(label | query + item). Build
     one with `from_pretrained` and reuse it (it keeps compiled shapes and caches). Thread-safe."""
 
-    def __init__(
-        self, config: ModelConfig, params: Params, tokenizer: tokenizers.Tokenizer | None,
-        **options: Any,
-    ):  # fmt: skip
+    def __init__(self, config: ModelConfig, params: Params,
+                 tokenizer: tokenizers.Tokenizer | None, **options: Any):  # fmt: skip
         """A scorer on a config, a parameter tree and a tokenizer (None: token ids only); the
         options as `from_pretrained`'s (but the loader's), and `Engine`'s selector."""
         self.engine = building.build(config, params, tokenizer, **options)
@@ -89,9 +87,8 @@ class Scorer:
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
         return chunked.score_items(self.engine, query, items, chunking, options, backend=backend)
 
-    def prepare(
-        self, query: Query, items: Items, label_token_ids: list[int] | None = None, **options: Any
-    ) -> ScoreRequest:
+    def prepare(self, query: Query, items: Items, label_token_ids: list[int] | None = None,
+                **options: Any) -> ScoreRequest:  # fmt: skip
         """Validate one request (`score`'s arguments but backend) and tokenize it for `run`."""
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
         return self.engine.prepare(query, items, options)
@@ -111,9 +108,8 @@ class Scorer:
         """One result per request (a mapping of `score`'s arguments), all checked first."""
         return self.engine.score_batch(requests, backend, show_progress)
 
-    def prepare_request(
-        self, request: Mapping[str, Any], *, backend: str | None = None
-    ) -> ScoreRequest:
+    def prepare_request(self, request: Mapping[str, Any], *, backend: str | None = None
+                        ) -> ScoreRequest:  # fmt: skip
         """One request as a mapping of `score`'s arguments, prepared for `run` on `backend`."""
         return self.engine.prepare_request(request, backend)
 
@@ -124,9 +120,8 @@ class Scorer:
         """Every request prepared, in order; a bad one's located error raised, or in its place."""
         return self.engine.prepare_batch(requests, backend, errors)
 
-    def validate_batch(
-        self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
-    ) -> list[ValidationError | None]:
+    def validate_batch(self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
+                       ) -> list[ValidationError | None]:  # fmt: skip
         """Per request, its located ValidationError or None if `score_batch` takes it."""
         return self.engine.validate_batch(requests, backend)
 
@@ -157,13 +152,11 @@ class Scorer:
     ) -> list[LoglikelihoodResult]:  # fmt: skip
         """log P(continuation | context) per continuation, as lm-evaluation-harness scores it;
         `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
-        return loglikelihood.loglikelihood(
-            self.engine, context, continuations, backend=backend, adapter=adapter
-        )
+        return loglikelihood.loglikelihood(self.engine, context, continuations, backend=backend,
+                                           adapter=adapter)  # fmt: skip
 
-    def prompt_logprobs(
-        self, prompts: Sequence[Sequence[int]], *, adapter: str | None = None
-    ) -> list[PromptLogprobs]:
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], *, adapter: str | None = None
+                        ) -> list[PromptLogprobs]:  # fmt: skip
         """Per prompt (token ids), each token's logprob and the top tokens (docs/completions.md);
         `adapter`: one of the scorer's LoRA adapters, as `score` takes it."""
         return prompt_logprobs.prompt_logprobs(self.engine, prompts, adapter)
@@ -175,9 +168,8 @@ class Scorer:
         """Compile the steps of (query_tokens, num_items, item_tokens) or all `shapes(limits)`."""
         return self.engine.warmup(geometries, backends, all, limits)
 
-    def shapes(
-        self, limits: Limits | None = None, *, backends: Sequence[str] | None = None
-    ) -> list[StepShape]:
+    def shapes(self, limits: Limits | None = None, *, backends: Sequence[str] | None = None
+               ) -> list[StepShape]:  # fmt: skip
         """Every step shape the backends (default: the scorer's) compile for requests in limits."""
         return self.engine.shapes(limits, backends)
 
