@@ -244,19 +244,7 @@ def test_echoed_token_ids_text_is_their_tokens_special_ones_too(client, scorer):
 
 def test_a_text_prompt_is_tokenized_off_the_event_loop(scorer):
     """While a text prompt is held inside its tokenizer, /health is answered."""
-    from test_server_tei import GatedTokenizer
+    from test_server_tei import assert_served_while_tokenizing
 
-    gated = GatedTokenizer(scorer)
-    running = ServerThread(server.create_app(gated, rerank_template=TEMPLATE))
     body = {"prompt": "the fox", "max_tokens": 0, "echo": True, "logprobs": 1}
-    try:
-        with httpx.Client(base_url=running.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
-            held = pool.submit(c.post, "/v1/completions", json=body)
-            assert gated.tokenizer.entered.wait(60)
-            assert c.get("/health", timeout=10).status_code == 200
-            assert not held.done()
-            gated.tokenizer.gate.set()
-            assert held.result(60).status_code == 200
-    finally:
-        gated.tokenizer.gate.set()
-        running.stop()
+    assert_served_while_tokenizing(scorer, "/v1/completions", body, TEMPLATE)

@@ -278,10 +278,9 @@ class GatedTokenizer:
         return getattr(self.scorer, name)
 
 
-@pytest.mark.parametrize("body", [{"inputs": ["a long text"]}, {"prompt": "a long text"}])
-def test_tokenize_runs_off_the_event_loop(scorer, body):  # noqa: F811
-    """TEI's and vLLM's /tokenize tokenize in a worker thread: while one is held inside its
-    tokenizer, /health is answered (a large tokenize takes seconds of CPU)."""
+def assert_served_while_tokenizing(served, path, body, template):
+    """POST body to path on a server whose tokenizer is held: /health is answered meanwhile
+    (the tokenizing runs off the event loop), then the request once released."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -289,11 +288,11 @@ def test_tokenize_runs_off_the_event_loop(scorer, body):  # noqa: F811
     from helpers import ServerThread
     from tpuscore.serving import app as server
 
-    gated = GatedTokenizer(scorer)
-    running = ServerThread(server.create_app(gated, rerank_template=TEMPLATE))
+    gated = GatedTokenizer(served)
+    running = ServerThread(server.create_app(gated, rerank_template=template))
     try:
         with httpx.Client(base_url=running.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
-            held = pool.submit(c.post, "/tokenize", json=body)
+            held = pool.submit(c.post, path, json=body)
             assert gated.tokenizer.entered.wait(60)
             assert c.get("/health", timeout=10).status_code == 200
             assert not held.done()
@@ -302,3 +301,10 @@ def test_tokenize_runs_off_the_event_loop(scorer, body):  # noqa: F811
     finally:
         gated.tokenizer.gate.set()
         running.stop()
+
+
+@pytest.mark.parametrize("body", [{"inputs": ["a long text"]}, {"prompt": "a long text"}])
+def test_tokenize_runs_off_the_event_loop(scorer, body):  # noqa: F811
+    """TEI's and vLLM's /tokenize tokenize in a worker thread: while one is held inside its
+    tokenizer, /health is answered (a large tokenize takes seconds of CPU)."""
+    assert_served_while_tokenizing(scorer, "/tokenize", body, TEMPLATE)
