@@ -58,15 +58,22 @@ def test_the_adapter_column_picks_each_rows_adapter(lora, rng, tmp_path):
     assert not np.allclose(got[1], base, atol=1e-3)  # the adapter moved the row
 
 
-def test_a_resume_with_other_adapter_weights_is_refused(lora, rng, tmp_path):
-    _, scorer, other = lora
+KWARGS = dict(labels=LABELS, shard_rows=2)
+
+
+def _write_adapter_table(rng, tmp_path) -> None:
+    """pairs.parquet: four rows, each under the adapter."""
     table = pa.table({"query": [_text(rng, 3, 8)] * 4, "item": ["a b", "c", "d", "e"]})
     table = table.append_column("adapter", pa.array([NAME] * 4))
     pq.write_table(table, tmp_path / "pairs.parquet")
-    kwargs = dict(labels=LABELS, shard_rows=2)
-    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **kwargs)
+
+
+def test_a_resume_with_other_adapter_weights_is_refused(lora, rng, tmp_path):
+    _, scorer, other = lora
+    _write_adapter_table(rng, tmp_path)
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
     with pytest.raises(ResumeRefused) as refused:
-        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=other, **kwargs)
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=other, **KWARGS)
     assert [c[0] for c in refused.value.changed] == ["model.adapters.sha256"]
 
 
@@ -77,18 +84,15 @@ def test_an_output_that_read_other_row_option_columns_is_not_resumed(lora, rng, 
     import json
 
     _, scorer, _ = lora
-    table = pa.table({"query": [_text(rng, 3, 8)] * 4, "item": ["a b", "c", "d", "e"]})
-    table = table.append_column("adapter", pa.array([NAME] * 4))
-    pq.write_table(table, tmp_path / "pairs.parquet")
-    kwargs = dict(labels=LABELS, shard_rows=2)
-    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **kwargs)
+    _write_adapter_table(rng, tmp_path)
+    score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
     manifest = tmp_path / "out.manifest.json"
     written = json.loads(manifest.read_text())
     assert written["settings"]["row_options"] == ["adapter"]
     del written["settings"]["row_options"]
     manifest.write_text(json.dumps(written))
     with pytest.raises(ResumeRefused) as refused:
-        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **kwargs)
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
     assert [c[0] for c in refused.value.changed] == ["row_options"]
 
 
