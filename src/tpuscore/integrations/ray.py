@@ -18,6 +18,7 @@ that is not one token, a missing column) does, at the first batch. Needs the `ra
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -112,7 +113,8 @@ def score_dataset(
             chips are a custom resource, e.g. `resources={"TPU": 4}` for a v5e-4 host.
         **kwargs: `ScoreRows`' arguments (model, labels, id_columns, ...).
     """
-    scorer_arguments = ("model", "dtype", "backend", "scorer_options", "score_calibration")
+    # ScoreRows' own arguments, not the Spec's: read off its signature, so they cannot drift.
+    scorer_arguments = set(inspect.signature(ScoreRows).parameters) - {"spec"}
     # A bad setting or a misspelt argument fails here, in the driver, before any actor loads.
     Spec(**{k: v for k, v in kwargs.items() if k not in scorer_arguments}).options()
     remote_args: dict[str, Any] = {}
