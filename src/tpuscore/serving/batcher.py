@@ -212,6 +212,7 @@ class Batcher(BatchQueue):
         self._admitting = 0  # accepted requests not yet tokenized
         self._admitting_tokens = 0  # their estimates
         self._pending = 0  # accepted and not settled
+        self._reserved_tokens = 0  # estimates of the work run beside the batches (`reserve`)
         self._deadlines: list[tuple[float, int, Pending]] = []  # a heap
         self._sequence = itertools.count()
         self._closed = False
@@ -291,6 +292,28 @@ class Batcher(BatchQueue):
             entry.future.cancel()
             raise
 
+    def reserve(self, tokens: int) -> Callable[[], None]:
+        """A place for work run beside the batches (a server's /v1/completions request, which
+        scores its prompts itself): counted under max_pending, its ~tokens under
+        max_queued_tokens, and as running, until the returned release is called (once; a later
+        call does nothing). Raises Overloaded and RuntimeError as `submit` does."""
+        with self._lock:
+            self._check_open()
+            self._check_room(tokens)
+            self._pending += 1
+            self._reserved_tokens += tokens
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._pending -= 1
+                    self._reserved_tokens -= tokens
+
+        return release
+
     def close(self) -> None:
         """Finish every accepted request, then stop; later submissions raise RuntimeError.
         Blocks until the queue is drained. Calling it again does nothing."""
@@ -334,19 +357,7 @@ class Batcher(BatchQueue):
         estimate = estimate_tokens(score_kwargs.get("query"), score_kwargs.get("items"))
         with self._lock:
             self._check_open()
-            if self._pending >= self.max_pending:
-                raise Overloaded(self.max_pending)
-            held = self._queued_tokens + self._admitting_tokens
-            if (
-                self.max_queued_tokens is not None
-                and held
-                and held + estimate > (self.max_queued_tokens)
-            ):
-                raise Overloaded(
-                    self.max_pending,
-                    f"the batcher holds about {held} tokens; this request's ~{estimate} would "
-                    f"pass max_queued_tokens={self.max_queued_tokens}; retry later",
-                )
+            self._check_room(estimate)
             now = time.monotonic()
             deadline = None if timeout_s is None else now + timeout_s
             entry = Pending(score_kwargs.get("backend"), Future(), timeout_s, deadline, estimate)
@@ -359,6 +370,19 @@ class Batcher(BatchQueue):
                     self._timer.notify()
         entry.future.add_done_callback(lambda _: self._settle(entry))  # a caller's cancel()
         return entry
+
+    def _check_room(self, estimate: int) -> None:
+        """Under the lock: Overloaded past max_pending, or past max_queued_tokens with estimate
+        more tokens (a first request is never refused for its size alone)."""
+        if self._pending >= self.max_pending:
+            raise Overloaded(self.max_pending)
+        held = self._queued_tokens + self._admitting_tokens + self._reserved_tokens
+        if self.max_queued_tokens is not None and held and held + estimate > self.max_queued_tokens:
+            raise Overloaded(
+                self.max_pending,
+                f"the batcher holds about {held} tokens; this request's ~{estimate} would "
+                f"pass max_queued_tokens={self.max_queued_tokens}; retry later",
+            )
 
     def _prepare(self, entry: Pending, score_kwargs: dict[str, Any]) -> None:
         """Validate and tokenize the request, then queue it unless it was settled meanwhile

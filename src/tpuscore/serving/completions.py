@@ -17,7 +17,6 @@ tokens (a BOS where it adds one), as vLLM does.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,7 +29,7 @@ from starlette.responses import Response
 from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import guards
-from tpuscore.serving.batcher import DeadlineExceeded, Overloaded
+from tpuscore.serving.batcher import DeadlineExceeded, estimate_tokens
 from tpuscore.serving.protocol import DefaultOnly, WireRequest, default_only
 from tpuscore.tasks.prompt_logprobs import TOP, PromptLogprobs
 
@@ -247,9 +246,8 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
         prompts = [prompts]
     # The request's size as sent, before anything tokenizes it (RequestLimits).
     bounds.check_size(service.limits, items=("prompt", prompts), values={})
-    batcher = service.batcher
-    if batcher.pending + service.completing >= batcher.max_pending:
-        raise Overloaded(batcher.max_pending)
+    # Under the batcher's bounds beside its requests, until the work's thread ends.
+    release = service.batcher.reserve(estimate_tokens(None, prompts))
 
     def tokenized_and_scored() -> tuple[list[list[int]], list[tuple[CompletionChoice, int]]]:
         """Off the event loop: tokenizing and answering prompts within the bounds takes
@@ -261,14 +259,11 @@ async def complete(service: Service, request: Request, body: CompletionRequest) 
         pairs = enumerate(zip(scored, texts, strict=True))
         return ids, [_choice(i, result, text, body, strings) for i, (result, text) in pairs]
 
-    service.completing += 1
     try:
-        work = asyncio.wait_for(asyncio.to_thread(tokenized_and_scored), timeout_s)
+        work = guards.run_held(tokenized_and_scored, release, timeout_s)
         ids, answered = await guards.unless_disconnected(request.receive, work)
-    except TimeoutError:  # wait_for's: the work not started is dropped, a running one discarded
+    except TimeoutError:  # the work not started is dropped, a running one's answer discarded
         raise DeadlineExceeded(timeout_s) from None
-    finally:
-        service.completing -= 1
     choices = [choice for choice, _ in answered]
     generated = sum(count for _, count in answered)
     prompt_tokens = sum(map(len, ids))

@@ -5,6 +5,8 @@ JSON nesting.
   server's `--request-timeout`; the Batcher drops a request past it unscored (504).
 - A client that disconnects while its request waits cancels it (`unless_disconnected`): it is
   never scored, logged at INFO and counted as status 499, the code nginx gave to this case.
+- Work run in a thread beside the Batcher (`run_held`) keeps its place under the server's bounds
+  until the thread ends, past its deadline too: a running thread cannot be stopped.
 - `AllowedHosts` refuses a Host header the server does not answer to (a DNS-rebinding page in a
   browser reaches a loopback server under its own host name): by default, on a loopback address,
   anything but the loopback names and the address itself.
@@ -18,6 +20,7 @@ import asyncio
 import ipaddress
 import json
 import math
+import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
@@ -87,6 +90,35 @@ async def unless_disconnected(receive: Callable[[], Awaitable[dict]], work: Awai
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
+
+
+async def run_held(
+    work: Callable[[], T], release: Callable[[], None], timeout_s: float | None
+) -> T:
+    """work() in a thread, awaited until timeout_s (TimeoutError), then release(): when work
+    ends, or at once where a deadline or a cancel comes before it starts (it then never runs)."""
+    lock = threading.Lock()
+    started = dropped = False
+
+    def run() -> T | None:
+        nonlocal started
+        with lock:
+            if dropped:
+                return None
+            started = True
+        try:
+            return work()
+        finally:
+            release()
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(run), timeout_s)
+    except BaseException:
+        with lock:
+            dropped = True
+            if not started:
+                release()
+        raise
 
 
 def parse_json(body: bytes | str) -> Any:

@@ -56,8 +56,6 @@ class Service(SglangEndpoints, VllmEndpoints, RerankEndpoints):
         self.max_body_bytes, self.limits = max_body_bytes, limits
         self.num_labels = len(self.labels) if self.labels else classes
         self.metrics = Metrics(executables_guard=scorer.engine.executables)
-        # /v1/completions requests in flight (they run beside the batcher, under its max_pending).
-        self.completing = 0
         self.created = int(time.time())
 
     async def scored(self, request: Request, **score_kwargs: Any):
