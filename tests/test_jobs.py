@@ -136,6 +136,21 @@ def test_request_rows_with_labels_per_row_from_json_lines(scorer, rng, tmp_path)
         np.testing.assert_allclose(o["scores"], scipy.special.softmax(expected, 1), atol=1e-5)
 
 
+def test_a_fixed_size_list_of_texts_is_each_rows_items(scorer, rng, tmp_path):
+    """An item column of fixed_size_list<string> (what numpy arrays of texts become) holds
+    request rows, as a list<string> column does, not one item per row."""
+    queries = [_text(rng, 2, 9) for _ in range(3)]
+    items = [[_text(rng, 1, 5) for _ in range(2)] for _ in queries]
+    column = pa.FixedSizeListArray.from_arrays(pa.array(sum(items, [])), 2)
+    pq.write_table(pa.table({"query": queries, "items": column}), tmp_path / "in.parquet")
+    score_table(tmp_path / "in.parquet", tmp_path / "out", scorer=scorer, labels=LABELS)
+    out = read(tmp_path / "out")
+    got = np.stack([out["logprob_a"].to_pylist(), out["logprob_b"].to_pylist()], -1)
+    for query, row_items, row in zip(queries, items, got, strict=True):
+        expected = reference(scorer, [query] * 2, row_items)
+        np.testing.assert_allclose(row, expected, atol=1e-5, rtol=0)
+
+
 def test_bad_rows_go_to_the_errors_file_and_the_rest_is_scored(scorer, rng, tmp_path):
     table = pairs_table(rng, 30).to_pydict()
     table["item_text"][4] = None  # not text

@@ -59,6 +59,17 @@ def test_another_model_passed_as_scorer_is_refused(scorer, checkpoint_dir, rng, 
     assert [c[0] for c in refused.value.changed] == ["model.weights_sha256"]
 
 
+def test_a_resume_in_another_precision_names_it(scorer, checkpoint_dir, rng, tmp_path):
+    """mixed keeps float32's dtype for attention and stores other weights: the refusal names the
+    precision, not only the weights' hash."""
+    pq.write_table(pairs_table(rng, 10), tmp_path / "pairs.parquet")
+    interrupted(scorer, tmp_path / "pairs.parquet", tmp_path / "out")
+    mixed = load_scorer(checkpoint_dir(CASE), dtype="mixed")
+    with pytest.raises(ResumeRefused) as refused:
+        score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=mixed, **KWARGS)
+    assert ("model.dtype", "float32", "mixed") in refused.value.changed
+
+
 def test_missing_or_damaged_shards_are_scored_again(scorer, rng, tmp_path):
     from pathlib import Path
 
@@ -117,13 +128,17 @@ def test_a_manifest_that_is_not_a_jobs_is_refused_as_unreadable(scorer, rng, tmp
 
 
 def test_read_output_names_a_missing_or_damaged_shard(scorer, rng, tmp_path):
-    """`read_output` of an output whose committed shard was deleted or cut short is a
-    TableError that says which shard and how to repair it (run the job again)."""
+    """`read_output` of an output whose committed shard was replaced, deleted or cut short is
+    a TableError that says which shard and how to repair it (run the job again)."""
     from tpuscore.jobs import TableError, read_output
 
     pq.write_table(pairs_table(rng, 10), tmp_path / "pairs.parquet")
     score_table(tmp_path / "pairs.parquet", tmp_path / "out", scorer=scorer, **KWARGS)
     shard = tmp_path / "out" / "part-00001.parquet"
+    # Another shard's valid Parquet: read unchecked, its rows would come back twice.
+    shard.write_bytes((tmp_path / "out" / "part-00000.parquet").read_bytes())
+    with pytest.raises(TableError, match="part-00001.*changed since its commit"):
+        read_output(tmp_path / "out")
     shard.write_bytes(shard.read_bytes()[:20])
     with pytest.raises(TableError, match="part-00001"):
         read_output(tmp_path / "out")

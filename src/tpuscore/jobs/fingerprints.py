@@ -58,7 +58,7 @@ def of_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def of_model(scorer: Any) -> dict[str, Any]:
-    """The model's config, the dtype it runs in and the sha256 of its weights (names, shapes,
+    """The model's config, the precision it runs in and the sha256 of its weights (names, shapes,
     dtypes and bytes; hashed once per scorer), and of its LoRA adapters where it has some (a
     row's `adapter` column names one)."""
     config = json.loads(json.dumps(dataclasses.asdict(scorer.config), default=str))
@@ -66,7 +66,9 @@ def of_model(scorer: Any) -> dict[str, Any]:
     if scorer not in _weights:
         _weights[scorer] = _weights_digest(scorer.params), _weights_digest(model.adapters)
     weights, adapters = _weights[scorer]
-    fingerprint = {"config": config, "dtype": str(scorer.dtype), "weights_sha256": weights}
+    # The precision by the name a job is given (dtype="mixed"): mixed and int8 run attention in
+    # float32, so scorer.dtype would not tell them from float32.
+    fingerprint = {"config": config, "dtype": model.precision, "weights_sha256": weights}
     if model.adapter_names:
         fingerprint["adapters"] = {"names": list(model.adapter_names), "sha256": adapters}
     return fingerprint

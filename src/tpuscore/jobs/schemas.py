@@ -11,8 +11,8 @@ import posixpath
 
 import pyarrow as pa
 
+from tpuscore.jobs import fingerprints, values
 from tpuscore.jobs import manifest as manifests
-from tpuscore.jobs import values
 from tpuscore.jobs.output import paths
 from tpuscore.jobs.tables import TableError, filesystem
 
@@ -49,7 +49,7 @@ def read_output(output: str | os.PathLike) -> pa.Table:
     tables = []
     for record in manifest.shards:
         try:
-            tables.append(_read_shard(fs, directory, record.file, manifest, schema))
+            tables.append(_read_shard(fs, directory, record, manifest, schema))
         except (OSError, ValueError, KeyError, pa.ArrowException) as e:
             raise TableError(
                 f"{output}: shard {record.file} cannot be read ({type(e).__name__}: {e}); run "
@@ -58,14 +58,24 @@ def read_output(output: str | os.PathLike) -> pa.Table:
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
-def _read_shard(fs, directory: str, name: str, manifest, schema: pa.Schema) -> pa.Table:
-    with fs.open(posixpath.join(directory, name), "rb") as f:
-        if manifest.settings["output_format"] == "parquet":
-            import pyarrow.parquet as pq
+def _read_shard(
+    fs, directory: str, record: manifests.ShardRecord, manifest, schema: pa.Schema
+) -> pa.Table:
+    """A committed shard's rows, its bytes checked against the manifest's record first: a shard
+    changed since its commit would parse as other (or shifted) rows."""
+    with fs.open(posixpath.join(directory, record.file), "rb") as f:
+        data = f.read(record.bytes + 1)
+    if len(data) != record.bytes or fingerprints.of_bytes(data) != record.sha256:
+        raise ValueError(
+            f"it changed since its commit (the manifest records {record.bytes} bytes with "
+            f"sha256 {record.sha256[:12]}...)"
+        )
+    if manifest.settings["output_format"] == "parquet":
+        import pyarrow.parquet as pq
 
-            # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
-            return pq.read_table(f).cast(schema)
-        rows = [json.loads(line) for line in f.read().decode().splitlines()]
+        # Parquet has no second unit: timestamp[s] comes back as [ms] without the cast
+        return pq.read_table(pa.BufferReader(data)).cast(schema)
+    rows = [json.loads(line) for line in data.decode().splitlines()]
     columns = [values.from_json([r[f.name] for r in rows], f.type) for f in schema]
     return pa.Table.from_arrays(columns, schema=schema)
 

@@ -225,7 +225,8 @@ def _refuse_collisions(layout: Layout) -> None:
 def _holds_items(t: pa.DataType) -> bool:
     """Whether an item column of type t holds a list of items (text or token-id lists) per row,
     rather than one item (text, or one token-id list)."""
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    if not any(is_list(t) for is_list in lists):
         return False
     inner = t.value_type
     return not pa.types.is_integer(inner)
