@@ -314,9 +314,13 @@ def test_a_rerun_resumes_after_the_last_committed_shard(scorer, rng, tmp_path):
 
 
 def test_fsspec_urls_and_csv(scorer, rng, tmp_path):
+    """A CSV's items of digits are text (pyarrow would infer int64), its ids keep their
+    inferred type."""
     import fsspec
 
     table = pairs_table(rng, 12)
+    digits = [str(n) for n in rng.integers(0, 10**6, size=12)]
+    table = table.set_column(3, "item_text", pa.array(digits))
     fs = fsspec.filesystem("memory")
     with fs.open("/jobs/pairs.csv", "wb") as f:
         f.write(table.to_pandas().to_csv(index=False).encode())
@@ -337,6 +341,7 @@ def test_fsspec_urls_and_csv(scorer, rng, tmp_path):
         for line in fs.cat_file(path).decode().splitlines()
     ]
     assert [o["row"] for o in lines] == list(range(12))
+    assert [o["user_id"] for o in lines] == table.column("user_id").to_pylist()
     expected = reference(
         scorer, table.column("user_text").to_pylist(), table.column("item_text").to_pylist()
     )

@@ -180,6 +180,7 @@ def score_table(
         item_first=item_first,
     )
     table = open_table(input, input_format)
+    table = table.as_text(spec.text_columns(table.schema.names))
     layout = spec.layout(table.schema)  # a bad column or setting fails before the model loads
     out_format = _output_format(output, output_format)
     if scorer is None:

@@ -17,6 +17,7 @@ from tpuscore.api.errors import ValidationError
 # Score options a row may carry in a column of the same name, where the job does not set them
 # (`adapter`: one of the scorer's LoRA adapters, by name; null is the base model).
 ROW_OPTIONS = ("labels", "label_token_ids", "item_suffix", "max_item_tokens", "truncate", "adapter")
+TEXT_ROW_OPTIONS = ("item_suffix", "adapter")
 PAIRS, REQUESTS = "pairs", "requests"
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
@@ -140,6 +141,18 @@ class Spec:
             options["item_first"] = True
         return options
 
+    def item_column_of(self, names: Sequence[str]) -> str:
+        """The item column of a table with these column names (its default: item, else items)."""
+        if self.item_column is not None:
+            return self.item_column
+        return "item" if "item" in names else "items"
+
+    def text_columns(self, names: Sequence[str]) -> list[str]:
+        """The columns read as text where a table has no types of its own (CSV): the query and
+        the item (CSV holds no token-id lists) and the text row options."""
+        wanted = [self.query_column, self.item_column_of(names), *TEXT_ROW_OPTIONS]
+        return [c for c in dict.fromkeys(wanted) if c in names]
+
     def layout(
         self, schema: pa.Schema, classes: Sequence[str] | None = None, calibrated: bool = False
     ) -> Layout:
@@ -150,9 +163,7 @@ class Spec:
         classification = classes is not None
         options = self.options(classification)
         names = schema.names
-        item_column = self.item_column
-        if item_column is None:
-            item_column = "item" if "item" in names else "items"
+        item_column = self.item_column_of(names)
         for param, column in [("query_column", self.query_column), ("item_column", item_column)]:
             if column not in names:
                 raise JobConfigError(

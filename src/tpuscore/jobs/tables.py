@@ -61,6 +61,18 @@ class Table:
     format: str
     schema: pa.Schema
     num_rows: int | None
+    text: tuple[str, ...] = ()  # CSV columns read as strings, whatever pyarrow would infer
+
+    def as_text(self, columns: Sequence[str]) -> Table:
+        """This table with `columns` read as strings where its format has no types (CSV, whose
+        inference makes a column of numbers int: an item "123" would not be text)."""
+        if self.format != "csv":
+            return self
+        schema = self.schema
+        for name in columns:
+            for index in schema.get_all_field_indices(name):
+                schema = schema.set(index, pa.field(name, pa.string()))
+        return attrs.evolve(self, schema=schema, text=tuple(columns))
 
     def batches(self, columns: Sequence[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
         """The table's rows in order, as record batches of at most `batch_rows` rows holding
@@ -73,7 +85,7 @@ class Table:
             )
         fs, path = filesystem(self.url)
         with fs.open(path, "rb") as f, _reading(self.url, self.format):
-            for batch in _read(f, self.format, list(columns), batch_rows):
+            for batch in _read(f, self.format, list(columns), batch_rows, self.text):
                 for start in range(0, batch.num_rows, batch_rows):
                     yield batch.slice(start, batch_rows).select(list(columns))
 
@@ -120,23 +132,28 @@ def _reading(url: str, fmt: str) -> Iterator[None]:
         raise TableError(f"{url} cannot be read as {fmt}: {e}") from None
 
 
-def _open_stream(f, fmt: str, columns: list[str] | None):
+def _open_stream(f, fmt: str, columns: list[str] | None, text: Sequence[str] = ()):
     if fmt == "jsonl":
         import pyarrow.json as pj
 
         return pj.open_json(f)
     import pyarrow.csv as pc
 
-    return pc.open_csv(f, convert_options=pc.ConvertOptions(include_columns=columns))
+    types = {name: pa.string() for name in text}
+    return pc.open_csv(
+        f, convert_options=pc.ConvertOptions(include_columns=columns, column_types=types)
+    )
 
 
-def _read(f, fmt: str, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+def _read(
+    f, fmt: str, columns: list[str], batch_rows: int, text: Sequence[str]
+) -> Iterator[pa.RecordBatch]:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         yield from pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=columns)
         return
-    yield from _open_stream(f, fmt, columns)
+    yield from _open_stream(f, fmt, columns, text)
 
 
 def table_bytes(table: pa.Table, fmt: str) -> bytes:
