@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -76,6 +77,28 @@ def test_warmup_checks_every_geometry_before_any_runs(scorers):
         scorer.warmup([(8, 3, 4)], backends=["nonesuch"])
     assert error.value.code == "unknown_backend"
     assert compiles == []
+
+
+def test_a_geometry_past_the_bounds_is_refused_before_its_request_is_built(scorers):
+    """(10**9, 2, 3) built 10**9 token ids (tens of GB: the process was OOM-killed) only for
+    prepare to refuse them; such geometries are refused on their numbers."""
+    scorer = scorers("qwen2_bias")
+    refused = {
+        (10**7, 2, 3): ("sequence_too_long", "geometries[0].items"),
+        (4, 10**6, 3): ("too_many_items", "geometries[0].items"),
+    }
+    errors = {}
+    tracemalloc.start()
+    try:
+        for geometry in refused:
+            with pytest.raises(ValidationError) as error:
+                scorer.warmup([geometry])
+            errors[geometry] = (error.value.code, error.value.param)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**24, f"{peak} bytes allocated to refuse them"
+    assert errors == refused
 
 
 @pytest.fixture

@@ -287,7 +287,7 @@ class Engine:
             return shapes.warm_all(self.backends, self.shapes(limits, backends))
         names = [self.checked_backend(b) for b in backends or [self.default_backend]]
         geometries = DEFAULT_GEOMETRIES if geometries is None else geometries
-        return warm(self.backends, self.prepare, self.selector, names, geometries)
+        return warm(self.backends, self.prepare, self.selector, names, geometries, self.limits)
 
     def shapes(
         self,

@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
 from tpuscore.backends.pool import BackendPool
 from tpuscore.engine import memory_guard, planning
 
@@ -60,24 +60,58 @@ def check_geometry(geometry: Any, where: str) -> tuple[int, int, int]:
     return tuple(int(n) for n in values)
 
 
+def check_size(
+    geometry: tuple[int, int, int], where: str, max_positions: int, limits: RequestLimits
+) -> None:
+    """Refuse a geometry larger than a request may be, with the code `prepare` gives such a
+    request, before its synthetic request is built: (10**9, 2, 3) would otherwise allocate
+    10**9 token ids (tens of GB) only for `prepare` to refuse them."""
+    query_len, count, item_len = geometry
+    if count > limits.max_items:
+        raise ValidationError(
+            "too_many_items",
+            f"{where} has {count} items; this scorer takes at most {limits.max_items}",
+            f"{where}.items",
+        )
+    if query_len + item_len > max_positions:
+        raise ValidationError(
+            "sequence_too_long",
+            f"{where}: query + item is {query_len + item_len} tokens; the model takes at most "
+            f"{max_positions}",
+            f"{where}.items",
+        )
+    if query_len + count * item_len > limits.max_total_length:
+        raise ValidationError(
+            "request_too_large",
+            f"{where} has {query_len + count * item_len} tokens in all; this scorer takes at "
+            f"most {limits.max_total_length}",
+            where,
+        )
+
+
 def warm(
     pool: BackendPool,
     prepare: Callable[[Any, Any, ScoreOptions], ScoreRequest],
     selector: planning.Selector,
     backends: Sequence[str],
     geometries: Iterable[Any],
+    limits: RequestLimits,
 ) -> list[Warmed]:
     """Run one synthetic request per geometry on each of `backends` ("auto": the backend `score`
     would pick for it), logging the time each takes.
 
     Every geometry is checked, as `prepare` checks a request, before any runs; an error's param
-    names it ("geometries[2]", "geometries[2].items"). Each geometry runs on new backend
+    names it ("geometries[2]", "geometries[2].items"); one past the model's positions or
+    `limits` is refused before its request is built. Each geometry runs on new backend
     instances (`pool.fresh()`), so it meets the steps of a cold request and leaves the scorer's
     caches and counters alone."""
     requests = []
     for i, geometry in enumerate(geometries):
         where = f"geometries[{i}]"
         query_len, count, item_len = check_geometry(geometry, where)
+        check_size(
+            (query_len, count, item_len), where, pool.model.config.max_position_embeddings, limits
+        )
         ids = np.arange(query_len + count * item_len) % pool.model.config.vocab_size
         items = ids[query_len:].reshape(count, item_len).tolist()
         try:
