@@ -141,6 +141,12 @@ def test_limits_are_checked(small_steps):
     assert e.value.code == "invalid_limits"
     default = scorer.shapes(backends=["serial"])  # the model's context length
     assert len(default) > len(scorer.shapes(LIMITS, backends=["serial"]))
+    # No request is longer than the model: past its positions the set is the default's (a
+    # limit of 10**12 tokens listed buckets for hours).
+    positions = scorer.config.max_position_embeddings
+    for past in (4 * positions, 10**12):
+        limits = {"query_tokens": past, "item_tokens": past}
+        assert scorer.shapes(limits, backends=["serial"]) == default, past
 
 
 geometry = st.tuples(

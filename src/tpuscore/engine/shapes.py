@@ -7,9 +7,10 @@ backends a call may run ("auto": every candidate auto may pick here), and `warm_
 exactly that list, each shape by running its jitted step once on zeros. After it, no request
 within the limits compiles anything.
 
-The limits: query tokens, item tokens (each default the model's max_position_embeddings) and
-labels per request (default 16, one label bucket; a classifier's class count if larger). Items
-per step come from each backend's budget and options, and requests per call are free.
+The limits: query tokens, item tokens (each default, and at most, the model's
+max_position_embeddings) and labels per request (default 16, one label bucket; a classifier's
+class count if larger). Items per step come from each backend's budget and options, and requests
+per call are free.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def limits_for(config: ModelConfig, limits: Limits | None) -> ShapeLimits:
             raise ValidationError(
                 "invalid_limits", f"{name} must be an int >= {minimum}, got {value!r}", name
             )
+    # No request is longer than the model's positions, so no step shape past them exists; the
+    # buckets up to 10**12 tokens took hours to list.
+    for name in ("query_tokens", "item_tokens"):
+        values[name] = min(values[name], config.max_position_embeddings)
     return ShapeLimits(**values)
 
 
