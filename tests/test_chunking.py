@@ -144,6 +144,19 @@ def test_token_id_documents_are_cut_as_given(scorer, rng):
     np.testing.assert_allclose(result.chunks.logprobs[2], alone.logprobs[0], rtol=1e-5, atol=1e-6)
 
 
+def test_token_id_documents_are_what_an_unchunked_item_takes(scorer):
+    """A document is token ids where an item would be: an int array is (it was refused), bytes
+    or a range are not (they were cut and scored as token ids, which score() refuses)."""
+    options = {"label_token_ids": [3, 4], "chunking": {"window": 4}}
+    as_list = scorer.score([9, 9], [[5, 6, 7, 8, 10]], **options)
+    as_array = scorer.score([9, 9], [np.array([5, 6, 7, 8, 10])], **options)
+    np.testing.assert_array_equal(as_array.scores, as_list.scores)
+    for document in (b"\x05\x06\x07\x08\x0a", range(5, 10)):
+        with pytest.raises(ValidationError) as e:
+            scorer.score([9, 9], [document], **options)
+        assert (e.value.code, e.value.param) == ("invalid_items", "items[0]"), document
+
+
 def test_rank_with_a_template_ranks_documents_by_their_chunks(scorer, rng):
     docs = documents(rng, 4, 10, 40)
     query = "a fox by the river"

@@ -21,6 +21,7 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import templates, validation
+from tpuscore.api.argument_checks import is_token_list
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
@@ -62,10 +63,11 @@ def split(
                 return doc[ends[start] : ends[end]]
 
             n = len(offsets)
-        elif isinstance(document, Sequence):
+        elif is_token_list(document):  # as an unchunked item: bytes or a range is not one
             n = len(document)
+            ids = document.tolist() if isinstance(document, np.ndarray) else document
 
-            def piece(start: int, end: int, doc=document) -> list[int]:
+            def piece(start: int, end: int, doc=ids) -> list[int]:
                 return list(doc[start:end])
         else:
             raise ValidationError(
