@@ -199,11 +199,27 @@ def test_a_request_under_a_lora_adapter_gets_no_base_calibration(
     assert batch[0].calibrated is not None and batch[1].calibrated is None
 
 
-def test_a_calibration_for_another_model_is_refused(fitted_file, checkpoint_dir):
+def test_a_calibration_for_another_model_is_refused(fitted_file, checkpoint_dir, scorers):
     out, _ = fitted_file
     with pytest.raises(CalibrationMismatch) as e:
         Scorer.from_pretrained(checkpoint_dir("qwen2_bias"), score_calibration=out)
     assert (e.value.code, e.value.param) == ("calibration_mismatch", "score_calibration")
+    # Set later, it is checked too: unchecked, another model's fit was applied silently and a
+    # path failed every later score with AttributeError.
+    other = scorers("qwen2_bias")
+    for value in (out, Calibration.load(out)):
+        with pytest.raises(CalibrationMismatch):
+            other.score_calibration = value
+    with pytest.raises(ValidationError) as e:
+        other.score_calibration = 3
+    assert (e.value.code, e.value.param) == ("invalid_calibration", "score_calibration")
+    assert other.score_calibration is None
+    own = scorers(CASE)
+    own.score_calibration = out  # a path, loaded
+    try:
+        assert own.score_calibration == Calibration.load(out)
+    finally:
+        own.score_calibration = None
 
 
 def test_the_server_returns_calibrated_scores_and_refuses_another_template(fitted_file, scorers):

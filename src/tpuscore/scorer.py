@@ -184,10 +184,10 @@ class Scorer:
     backends = _engine_attribute("backends", "The `BackendPool`.")
     cost_model = _engine_attribute("cost_model", "auto's `CostModel`.")
     model_name = _engine_attribute("model_name", "What a server reports and requests name.")
-    score_calibration = property(  # settable: another calibration for the same model
+    score_calibration = property(  # settable: another calibration (or path) for the same model
         lambda self: self.engine.score_calibration,
         lambda self, fitted: setattr(self.engine, "score_calibration", fitted),
-        doc="A `Calibration` (docs/calibration.md), or None.",
+        doc="A `Calibration` (docs/calibration.md), or None; set one, a path or None.",
     )
     adapters = _engine_attribute("model.adapter_names", "LoRA adapters, in load order.", list)
     limits = _engine_attribute("limits", "How large one request may be (`RequestLimits`).")

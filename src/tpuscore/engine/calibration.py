@@ -12,6 +12,8 @@ import attrs
 
 from tpuscore.api import calibration
 from tpuscore.api.calibration import Calibration
+from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.models.model import Model
@@ -29,12 +31,24 @@ def model_fingerprint(model: Model) -> str:
     return calibration.fingerprint(dataclasses.asdict(model.config), arrays)
 
 
-def load(path: str | os.PathLike | None, model: Model) -> Calibration | None:
-    """The calibration at path (None: none), refused (`CalibrationMismatch`) if fitted for
-    another model."""
-    if path is None:
+def load(value: Calibration | str | os.PathLike | None, model: Model) -> Calibration | None:
+    """The calibration `value` is (a loaded `Calibration`) or names (a file's path; None: none),
+    refused (`CalibrationMismatch`) if fitted for another model. Anything else is
+    `invalid_calibration`: `scorer.score_calibration = ...` takes what `score_calibration=`
+    takes, and is checked as it is (an unchecked one applied another model's fit silently)."""
+    if value is None:
         return None
-    loaded = Calibration.load(path)
+    if isinstance(value, Calibration):
+        loaded = value
+    elif isinstance(value, (str, os.PathLike)):
+        loaded = Calibration.load(value)
+    else:
+        raise ValidationError(
+            "invalid_calibration",
+            f"score_calibration must be a calibration file's path or a Calibration, got "
+            f"{short(value)}",
+            "score_calibration",
+        )
     loaded.check(model=model_fingerprint(model), template=loaded.template)
     return loaded
 

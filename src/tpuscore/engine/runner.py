@@ -17,6 +17,7 @@ import attrs
 import tokenizers
 
 from tpuscore.api import validation
+from tpuscore.api.calibration import Calibration
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import (
     LoglikelihoodRequest,
@@ -68,9 +69,9 @@ class Engine:
         batch_invariant: a request's scores bit-identical whatever shares its call
             (docs/batch-invariance.md); backends that cannot be so are refused.
         model_name: what a server on it reports and requests name (`loaders.model_name`).
-        score_calibration: a `tpuscore fit-calibration` file fitted for this model, refused
-            otherwise; `run`'s results then carry `calibrated` where it covers them
-            (docs/calibration.md).
+        score_calibration: a `tpuscore fit-calibration` file (or a loaded `Calibration`) fitted
+            for this model, refused otherwise, here and when set later; `run`'s results then
+            carry `calibrated` where it covers them (docs/calibration.md).
         limits: how large one request may be (`RequestLimits`, or a mapping of the fields to
             change in `LIBRARY_LIMITS`; default `LIBRARY_LIMITS`), checked on every request
             before it is tokenized: past a bound is a `ValidationError` with the server's size
@@ -89,13 +90,13 @@ class Engine:
         batch_invariant: bool = False,
         executables_guard: executables.Guard | None = None,
         model_name: str = default_model.NAME,
-        score_calibration: str | os.PathLike | None = None,
+        score_calibration: Calibration | str | os.PathLike | None = None,
         limits: RequestLimits | Mapping[str, int] | None = None,
     ):
         self.model = model
         self.limits = RequestLimits.of(limits)
         self.model_name = model_name
-        self.score_calibration = calibration.load(score_calibration, model)
+        self.score_calibration = score_calibration  # checked by its setter
         self.tokenizer = tokenizer
         self.batch_invariant = bool(batch_invariant)
         self.default_backend = self.checked_backend(backend)
@@ -108,6 +109,15 @@ class Engine:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def score_calibration(self) -> Calibration | None:
+        return self._score_calibration
+
+    @score_calibration.setter
+    def score_calibration(self, value: Calibration | str | os.PathLike | None) -> None:
+        """Another calibration (or its file's path, or None), refused if not for this model."""
+        self._score_calibration = calibration.load(value, self.model)
 
     def fresh(self) -> Engine:
         """An engine on the same model and settings with new backend instances: empty caches."""
