@@ -104,6 +104,21 @@ def test_a_file_round_trips_and_a_malformed_one_is_refused(tmp_path, rng):
         with pytest.raises(ValidationError) as e:
             Calibration.load(path)
         assert e.value.code == "invalid_calibration"
+    # Fields no fit writes: they loaded, then failed every covered request with a raw
+    # IndexError or ValueError, or calibrated it to NaN.
+    for change in (
+        {"positive": 1.5},
+        {"positive": 1, "label_token_ids": [5], "labels": None},
+        {"positive": True},
+        {"label_token_ids": [5.0, 6.0]},
+        {"label_token_ids": []},
+        {"classification": "no"},
+        {"parameters": {"a": float("nan"), "b": 0.0}},
+    ):
+        (tmp_path / "bad.json").write_text(json.dumps(fitted.to_json() | change))
+        with pytest.raises(ValidationError) as e:
+            Calibration.load(tmp_path / "bad.json")
+        assert e.value.code == "invalid_calibration", change
     with pytest.raises(CalibrationMismatch, match="template 'plain'"):
         loaded.check(template="qwen3-reranker")
     with pytest.raises(CalibrationMismatch) as e:

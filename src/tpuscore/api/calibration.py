@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 import scipy.special
 
+from tpuscore.api.bounds import is_token_id
 from tpuscore.api.errors import ValidationError
 
 FORMAT = "tpuscore-score-calibration/1"
@@ -242,6 +243,23 @@ class Calibration:
     parameters: Mapping[str, Any]
     metrics: Mapping[str, Any] = attrs.field(factory=dict)
 
+    def __attrs_post_init__(self) -> None:
+        """Refuse (ValueError) fields no fit writes: loaded, they failed or gave NaN only when a
+        request the calibration covers was scored."""
+        labels = self.label_token_ids
+        if not labels or not all(is_token_id(t) for t in labels):
+            raise ValueError(f"label_token_ids must be token ids, got {list(labels)}")
+        positive = self.positive
+        if not is_token_id(positive) or not 0 <= positive < len(labels):
+            raise ValueError(f"positive must index one of {len(labels)} labels, got {positive!r}")
+        if not isinstance(self.classification, bool):
+            raise ValueError(f"classification must be a bool, got {self.classification!r}")
+        probe = apply_method(self.method, self.parameters, np.linspace(-30.0, 30.0, 13))
+        if not np.all((probe >= 0) & (probe <= 1)):  # NaN fails too
+            raise ValueError(
+                f"{self.method} parameters {dict(self.parameters)} give no probability"
+            )
+
     def covers(self, label_ids: Sequence[int], classification: bool) -> bool:
         """Whether a request with these labels is one this calibration was fitted for."""
         return tuple(label_ids) == self.label_token_ids and classification == self.classification
@@ -312,8 +330,7 @@ class Calibration:
             raise invalid(f"is not a score calibration (its format is not {FORMAT!r})")
         data.pop("format")
         try:
-            calibration = cls(**data)
-            calibration.probabilities(np.zeros((1, max(2, len(calibration.label_token_ids)))))
+            calibration = cls(**data)  # its fields checked (`__attrs_post_init__`)
         except (TypeError, ValueError, KeyError) as e:
             raise invalid(f"is malformed: {type(e).__name__}: {e}") from None
         return calibration
