@@ -70,6 +70,30 @@ def test_every_door_refuses_a_request_past_the_scorers_bounds(small, monkeypatch
     assert e.value.code == "too_many_items"
 
 
+def test_a_zero_dimensional_array_is_refused_as_a_number_is_at_every_door(scorers):
+    """np.array(5) has no length: the size check's len() raised a raw TypeError at every door
+    (score, loglikelihood, prompt_logprobs, chunked score, the Batcher)."""
+    scorer, z = scorers(CASE), np.array(5)
+    calls = {
+        ("invalid_query", "query"): lambda: scorer.score(z, [[2]], [3]),
+        ("invalid_items", "items"): lambda: scorer.score([1], [z], [3]),
+        ("invalid_label_token_ids", "label_token_ids"): lambda: scorer.score([1], [[2]], z),
+        ("invalid_argument", "item_suffix"): lambda: scorer.score([1], [[2]], [3], item_suffix=z),
+        ("invalid_query", "context"): lambda: scorer.loglikelihood(z, [[2]]),
+        ("invalid_prompt", "prompt"): lambda: scorer.prompt_logprobs([z]),
+        ("invalid_items", "items[0]"): lambda: scorer.score(
+            [1], [z], [3, 4], chunking={"window": 2}
+        ),
+    }
+    for (code, param), call in calls.items():
+        with pytest.raises(ValidationError) as e:
+            call()
+        assert (e.value.code, e.value.param) == (code, param)
+    with Batcher(scorer) as batcher, pytest.raises(ValidationError) as e:
+        batcher.submit(query=z, items=[[2]], label_token_ids=[3])
+    assert e.value.code == "invalid_query"
+
+
 def test_a_classification_models_classes_count_as_its_labels(checkpoint_dir):
     classifier = Scorer.from_pretrained(checkpoint_dir("qwen3_seq_cls"), limits={"max_scores": 5})
     assert classifier.score("q", ["a", "b"]).logprobs.shape == (2, 2)  # 4 scores

@@ -45,16 +45,21 @@ def is_token_id(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _length(value: Any) -> int:
+def _is_list(value: Any) -> bool:
+    """A list, tuple or array with a length: a 0-d array (np.array(5)) has none (len raises
+    TypeError), and validation refuses it as it refuses a number."""
+    return isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)
+
+
+def length(value: Any) -> int:
     """A value's length as `RequestLimits` counts it: a text's characters, a list's entries (a
     token-id list's ids); 0 for anything else, which validation refuses later."""
-    return len(value) if isinstance(value, (str, list, tuple, np.ndarray)) else 0
+    return len(value) if isinstance(value, str) or _is_list(value) else 0
 
 
 def label_count(labels: Any, label_token_ids: Any) -> int:
     """The labels a request names, as sent (0 for none: a classification model's classes)."""
-    lists = [v for v in (labels, label_token_ids) if isinstance(v, (list, tuple, np.ndarray))]
-    return max(map(len, lists), default=0)
+    return max((len(v) for v in (labels, label_token_ids) if _is_list(v)), default=0)
 
 
 def check_chunks(
@@ -133,15 +138,15 @@ def check_size(
         texts = isinstance(value, list) and value and isinstance(value[0], str)  # labels
         parts = [(f"{param}[{j}]", v) for j, v in enumerate(value)] if texts else [(param, value)]
         for param, part in parts:  # noqa: PLW2901 (a part is named as its own param)
-            length = _length(part)
-            if length > limits.max_length:
+            size = length(part)
+            if size > limits.max_length:
                 raise ValidationError(
                     "input_too_long",
-                    f"{param} has length {length} (characters of text, or token ids); "
+                    f"{param} has length {size} (characters of text, or token ids); "
                     f"{holder} takes at most {limits.max_length}",
                     param,
                 )
-            total += length
+            total += size
     if total > limits.max_total_length:
         raise ValidationError(
             "request_too_large",

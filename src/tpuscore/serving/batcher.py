@@ -48,8 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import numpy as np
-
+from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
@@ -425,9 +424,7 @@ def estimate_tokens(query: Any, items: Any) -> int:
         if isinstance(value, str):
             n = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
             return math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
-        if isinstance(value, (list, tuple, np.ndarray)):
-            return len(value)
-        return 0
+        return bounds.length(value)
 
     total = size(query)
     if isinstance(items, (list, tuple)):
