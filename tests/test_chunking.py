@@ -48,6 +48,14 @@ def test_spans(n, options, spans):
     assert Chunking.of(options).spans(n) == spans
 
 
+def test_count_is_the_number_of_spans():
+    for window in (1, 2, 5):
+        for stride in range(1, window + 1):
+            for max_chunks in (None, 1, 3):
+                plan = Chunking(window=window, stride=stride, max_chunks=max_chunks)
+                assert [plan.count(n) for n in range(30)] == [len(plan.spans(n)) for n in range(30)]
+
+
 @pytest.mark.parametrize(
     ("options", "param"),
     [
@@ -75,12 +83,19 @@ def test_reduce(aggregate, expected):
 def test_text_chunks_re_encode_to_the_documents_tokens(scorer, rng):
     doc = documents(rng, 1, 30, 40)[0]
     ids = scorer.tokenizer.encode(doc, add_special_tokens=False).ids
-    chunks = chunked.split(scorer.tokenizer, [doc], Chunking(window=9, stride=6))
+    chunks = chunked.split(
+        scorer.tokenizer, [doc], Chunking(window=9, stride=6), limits=scorer.limits
+    )
     assert chunks.spans == Chunking(window=9, stride=6).spans(len(ids))
     for text, (start, end) in zip(chunks.items, chunks.spans, strict=True):
         assert scorer.tokenizer.encode(text, add_special_tokens=False).ids == ids[start:end]
     # Without overlap the chunks are the document, cut.
-    assert "".join(chunked.split(scorer.tokenizer, [doc], Chunking(window=7)).items) == doc
+    assert (
+        "".join(
+            chunked.split(scorer.tokenizer, [doc], Chunking(window=7), limits=scorer.limits).items
+        )
+        == doc
+    )
 
 
 # -- exactness ------------------------------------------------------------------------------------
@@ -92,7 +107,7 @@ def test_each_chunk_scores_as_alone_and_documents_aggregate_them(scorer, rng, ag
     options = {"window": 11, "stride": 7, "max_chunks": 4, "aggregate": aggregate}
     query = "which passage is about a fox?"
     result = scorer.score(query, docs, labels=LABELS, chunking=options)
-    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options))
+    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options), limits=scorer.limits)
     assert len(result.chunks.logprobs) == len(chunks.items) > len(docs)
     for d in range(len(docs)):
         mine = [c for c, owner in zip(chunks.items, chunks.document, strict=True) if owner == d]
@@ -162,7 +177,7 @@ def test_rank_with_a_template_ranks_documents_by_their_chunks(scorer, rng):
     query = "a fox by the river"
     options = {"window": 12, "aggregate": "max"}
     ranked = scorer.rank(query, docs, template=TEMPLATE, chunking=options, top_k=3)
-    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options))
+    chunks = chunked.split(scorer.tokenizer, docs, Chunking.of(options), limits=scorer.limits)
     alone = scorer.rank(query, chunks.items, template=TEMPLATE)
     by_chunk = {r.index: r.score for r in alone}
     best = [
@@ -256,3 +271,17 @@ def test_chunks_past_the_servers_max_items_are_refused(scorer):
     assert narrow.headers["X-Error-Code"] == "too_many_items", narrow.text
     assert "chunks" in narrow.json()["error"]["message"]
     assert wide.status_code == 200, wide.text
+
+
+def test_chunks_past_the_scorers_max_items_are_refused_before_they_are_built(scorer):
+    """The library bounds chunks as the server does, from their count: a one-token window over a
+    long text would build one piece per token only for the item count to refuse them."""
+    from tpuscore import Scorer
+
+    bounded = Scorer(scorer.config, scorer.params, scorer.tokenizer, limits={"max_items": 8})
+    text = "one two three four five six seven eight nine ten"
+    for call in (bounded.score, bounded.rank):
+        with pytest.raises(ValidationError) as refused:
+            call("q", [text], labels=LABELS, chunking={"window": 1})
+        assert (refused.value.code, refused.value.param) == ("too_many_items", "items")
+        assert "chunks, each an item; this scorer" in str(refused.value)

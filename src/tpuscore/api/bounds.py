@@ -63,7 +63,11 @@ def label_count(labels: Any, label_token_ids: Any) -> int:
 
 
 def check_chunks(
-    limits: RequestLimits, chunks: int, num_labels: int, holder: str = "this server"
+    limits: RequestLimits,
+    chunks: int,
+    num_labels: int,
+    holder: str = "this server",
+    param: str = "documents",
 ) -> None:
     """Refuse documents cut into more chunks than `limits` takes items (each chunk is scored as
     one), or whose chunks' scores pass max_scores: a small request with a narrow window (one
@@ -73,14 +77,14 @@ def check_chunks(
             "too_many_items",
             f"the documents make {chunks} chunks, each an item; {holder} takes at most "
             f"{limits.max_items}: widen chunking.window or chunking.stride, or set max_chunks",
-            "documents",
+            param,
         )
     if chunks * num_labels > limits.max_scores:
         raise ValidationError(
             "too_many_scores",
             f"{chunks} chunks x {num_labels} labels is {chunks * num_labels} scores; {holder} "
             f"answers at most {limits.max_scores} per request",
-            "documents",
+            param,
         )
 
 

@@ -93,6 +93,12 @@ class Chunking:
                 break
         return spans
 
+    def count(self, num_tokens: int) -> int:
+        """len(spans(num_tokens)), without building them."""
+        stride = self.stride or self.window
+        n = 1 + max(0, -(-(num_tokens - self.window) // stride))
+        return n if self.max_chunks is None else min(n, self.max_chunks)
+
     def reduce(self, scores: np.ndarray) -> tuple[float, int]:
         """(the document's score, the index of its best chunk) from its chunks' scores."""
         scores = np.asarray(scores, np.float64)

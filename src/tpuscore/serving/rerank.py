@@ -117,7 +117,6 @@ class RerankEndpoints:
             chunks, chunking = await asyncio.to_thread(
                 self.chunked, query, docs, chunking, body.max_tokens_per_doc
             )
-            bounds.check_chunks(self.limits, len(chunks.items), self.num_labels)
             texts = chunks.items  # a chunk is window tokens; fit still fits
         elif body.max_tokens_per_doc is not None and tokenizer is not None:
             # The document's own tokens, not the template's words around it.
@@ -159,7 +158,12 @@ class RerankEndpoints:
             )
         options.setdefault("window", max_tokens)
         plan = Chunking.of(options)
-        return chunked.split(self.require_tokenizer("documents"), docs, plan, "documents"), plan
+        tokenizer = self.require_tokenizer("documents")
+        split = chunked.split(
+            tokenizer, docs, plan, "documents", limits=self.limits, num_labels=self.num_labels,
+            holder="this server",
+        )  # fmt: skip
+        return split, plan
 
     def room_beside(self, rendered_query: str) -> int:
         """A document's most tokens beside this query under the template: the model's positions

@@ -20,11 +20,11 @@ import attrs
 import numpy as np
 import tokenizers
 
-from tpuscore.api import templates, validation
+from tpuscore.api import bounds, templates, validation
 from tpuscore.api.argument_checks import is_token_list
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
-from tpuscore.api.requests import ScoreOptions, ScoreRequest
+from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
 from tpuscore.engine.runner import Engine
 from tpuscore.tasks import ranking
@@ -42,9 +42,18 @@ class Chunks:
 
 
 def split(
-    tokenizer: tokenizers.Tokenizer | None, documents: Any, chunking: Chunking, param: str = "items"
+    tokenizer: tokenizers.Tokenizer | None,
+    documents: Any,
+    chunking: Chunking,
+    param: str = "items",
+    *,
+    limits: RequestLimits,
+    num_labels: int = 0,
+    holder: str = "this scorer",
 ) -> Chunks:
-    """Cut every document (all text or all token ids) by `chunking`."""
+    """Cut every document (all text or all token ids) by `chunking`; more chunks than `limits`
+    takes items (or, with num_labels, answers scores) are refused before any is built (a
+    one-token window over a long text would build one piece per token)."""
     if isinstance(documents, str) or not isinstance(documents, Sequence):
         raise ValidationError("invalid_items", f"{param} must be a list, got {documents!r}", param)
     items: list[Any] = []
@@ -54,6 +63,7 @@ def split(
     if texts and tokenizer is None:
         raise ValidationError("invalid_items", "this model has no tokenizer: give token ids", param)
     encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False) if texts else [])
+    cutters = []
     for d, document in enumerate(documents):
         if isinstance(document, str):
             offsets = next(encodings).offsets
@@ -73,6 +83,10 @@ def split(
             raise ValidationError(
                 "invalid_items", f"{param}[{d}] must be text or token ids", f"{param}[{d}]"
             )
+        cutters.append((n, piece))
+    total = sum(chunking.count(n) for n, _ in cutters)
+    bounds.check_chunks(limits, total, num_labels, holder, param)
+    for d, (n, piece) in enumerate(cutters):
         for span in chunking.spans(n):
             items.append(piece(*span))
             owners.append(d)
@@ -155,7 +169,7 @@ def score(
     documents' aggregated scores are not calibrated)."""
     chunking = Chunking.of(chunking)
     validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
-    chunks = split(engine.tokenizer, items, chunking)
+    chunks = split(engine.tokenizer, items, chunking, limits=engine.limits)
     try:
         request = engine.prepare(query, chunks.items, options)
     except ValidationError as e:
@@ -226,7 +240,7 @@ def rank(
     if top_k is not None:
         top_k = ranking._check_index(top_k, "top_k", minimum=1)
     validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
-    chunks = split(engine.tokenizer, items, chunking)
+    chunks = split(engine.tokenizer, items, chunking, limits=engine.limits)
     try:
         ranked = ranking.rank(
             engine, query, chunks.items, options, positive=positive, template=template,
