@@ -138,6 +138,47 @@ def test_a_warmed_mesh_compiles_nothing_more(params, requests, rng):
     assert len(compiles) == len(shapes), "prompt_logprobs within the limits compiled on the mesh"
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """A PEFT LoRA adapter of CONFIG (r=2 on q, v and down), with random A and B."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    path = tmp_path_factory.mktemp("adapter")
+    rng = np.random.default_rng(1)
+    q, kv = CONFIG.num_heads * CONFIG.head_dim, CONFIG.num_kv_heads * CONFIG.head_dim
+    dims = {"self_attn.q_proj": (64, q), "self_attn.v_proj": (64, kv), "mlp.down_proj": (128, 64)}
+    tensors = {}
+    for layer in range(CONFIG.num_layers):
+        for module, (d_in, d_out) in dims.items():
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{name}.lora_A.weight"] = rng.normal(0, 0.3, (2, d_in)).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.3, (d_out, 2)).astype(np.float32)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": list(dims)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_adapters_sharded_equal_unsharded(params, requests, adapter_dir, rng):
+    """A model with adapters on a mesh: a lone query's one-row prefill took its adapter index
+    split over "data" (IndivisibleError on every prefill_extend request, base rows too, and on
+    loglikelihood); now prefill_extend equals the unsharded scorer, under the adapter and not.
+    prefill_extend only: the other backends never prefill one row, and each costs compiles."""
+    adapters = {"a": adapter_dir}
+    unsharded = Scorer(CONFIG, params, None, dtype="float32", adapters=adapters)
+    scorer = Scorer(CONFIG, params, None, dtype="float32", adapters=adapters, mesh=mesh_of(2, 1))
+    mixed = [{**r, "adapter": "a" if i % 2 else None} for i, r in enumerate(requests[-3:])]
+    assert_same_scores(scorer, unsharded, mixed, "prefill_extend")
+    context = rng.integers(1, CONFIG.vocab_size, 9).tolist()
+    continuations = [rng.integers(1, CONFIG.vocab_size, n).tolist() for n in (1, 3)]
+    got = scorer.loglikelihood(context, continuations, adapter="a")
+    want = unsharded.loglikelihood(context, continuations, adapter="a")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=TOL, rtol=0)
+
+
 def test_weights_and_cached_kv_follow_the_model_axis(params, requests):
     mesh = mesh_of(2, 4)
     scorer = Scorer(CONFIG, params, None, dtype="float32", mesh=mesh)

@@ -172,3 +172,18 @@ def test_a_folder_others_can_write_is_refused(tmp_path, jax_cache_settings, capl
     created = tmp_path / "new" / "cc"
     assert compilation_cache.enable(created) == str(created)
     assert created.stat().st_mode & 0o077 == 0
+
+
+def test_a_folder_that_cannot_be_used_leaves_the_cache_off(tmp_path, jax_cache_settings, caplog):
+    """A file where the folder should be, or a parent that cannot be created: the cache stays
+    off with a warning and the load goes on (it failed the load, so the command blamed the
+    model: "cannot load MODEL: FileExistsError")."""
+    before = jax.config.jax_compilation_cache_dir
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+        assert compilation_cache.enable(a_file) is None
+        assert compilation_cache.enable(a_file / "cache") is None  # under a file: not creatable
+    assert caplog.text.count("Not caching compiled executables") == 2
+    assert jax.config.jax_compilation_cache_dir == before
+    _compile_new()  # compiling still works

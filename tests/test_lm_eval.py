@@ -162,6 +162,13 @@ def test_the_prefix_and_max_length_follow_the_checkpoint(checkpoint, scorers):
         TpuscoreLM(pretrained=str(checkpoint), max_length=lm.max_length + 1)
 
 
+def test_a_classification_model_is_refused_when_made(checkpoint_dir):
+    """A classifier has no token log-likelihoods: refused as the harness makes the model, not
+    by the first request after the harness has built its tasks (as it was)."""
+    with pytest.raises(ValueError, match="classification head"):
+        TpuscoreLM(pretrained=str(checkpoint_dir("qwen3_seq_cls")), dtype="float32")
+
+
 def test_importing_tpuscore_does_not_import_lm_eval():
     code = "import sys, tpuscore; assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -266,6 +266,41 @@ def test_serve_replicas_builds_the_app(monkeypatch, checkpoint_dir):
     assert cli.main([*argv[:-2], "--mesh", "2x1"]) != 0
 
 
+def test_serve_replicas_that_cannot_load_fail_in_one_line(monkeypatch, capsys):
+    """`tpuscore serve --replicas 1 --model MISSING`: Serve gives up on the replica and raises
+    RuntimeError; the command says why the replica failed in one line, status 2, as a
+    one-process server's load failure (it printed a traceback). The status's shape is what
+    Ray 2.60 records for a replica whose constructor raised."""
+    from types import SimpleNamespace
+
+    from tpuscore.cli import commands as cli
+
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+
+    def deploy_failed(app, **kw):
+        raise RuntimeError("Deploying application tpuscore failed: Failed to update the ...")
+
+    traceback = (
+        '\nRuntimeError: Traceback (most recent call last):\n  File "replica.py", line 1867\n'
+        "FileNotFoundError: model path '/missing' does not exist"
+    )
+    replica = SimpleNamespace(message=traceback)
+    app = SimpleNamespace(deployments={"Replica": replica})
+    monkeypatch.setattr(serve, "run", deploy_failed)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"tpuscore": app}))
+    argv = ["serve", "--model", "/missing", "--port", "0", "--replicas", "1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the 'serving' line
+    assert err == (
+        "tpuscore: error: the replicas cannot start: "
+        "FileNotFoundError: model path '/missing' does not exist"
+    )
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    assert cli.main(argv) == 2  # no status to read: Serve's own message
+    assert "Deploying application tpuscore failed" in capsys.readouterr().err
+
+
 class Flaky:
     """A replica call that fails `failures` times with `error`, then answers."""
 

@@ -232,8 +232,26 @@ def run_replicas(args: argparse.Namespace, server) -> int:
         "(Ray Serve; requests routed by query)",
         file=sys.stderr,
     )
-    serve.run(app, name="tpuscore", route_prefix="/", blocking=True)
+    try:
+        serve.run(app, name=RAY_APP, route_prefix="/", blocking=True)
+    except RuntimeError as e:  # Serve gave up on a replica (it retries a failing constructor)
+        # A model that cannot load fails as a one-process server's would: one line, status 2.
+        raise InputError(f"the replicas cannot start: {replica_error(serve) or e}") from None
     return 0
+
+
+RAY_APP = "tpuscore"  # the Serve application `--replicas` deploys
+
+
+def replica_error(serve) -> str | None:
+    """The last line of the error a replica failed to start with (Serve keeps the whole
+    traceback in the deployment's status message), or None where Serve recorded none."""
+    try:
+        message = serve.status().applications[RAY_APP].deployments["Replica"].message
+    except Exception:  # noqa: BLE001 (no status to read: the caller reports Serve's own error)
+        return None
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    return lines[-1] if lines else None
 
 
 def add_request_limits(parser: argparse.ArgumentParser) -> None:

@@ -91,7 +91,16 @@ def enable(path: str | os.PathLike | None = None, max_bytes: int | None = None) 
         return None
     path = os.fspath(os.path.abspath(os.path.expanduser(path)))
     cap = max_size() if max_bytes is None else max_bytes
-    problem = _untrusted(Path(path))
+    try:
+        problem = _untrusted(Path(path))
+        if not Path(path).is_dir():  # JAX would fail the first compile on it
+            raise NotADirectoryError(f"{path} is not a folder")
+        if problem is None:
+            tidy(Path(path))
+    except OSError as e:  # a file in its place, a parent that cannot be created or read
+        # The cache only saves compiles: the command runs without it, as with an untrusted one.
+        logger.warning("Not caching compiled executables in %s: %s", path, e)
+        return None
     if problem is not None:
         logger.warning(
             "Not caching compiled executables in %s: %s. JAX runs what it loads from there, so "
@@ -101,7 +110,6 @@ def enable(path: str | os.PathLike | None = None, max_bytes: int | None = None) 
             problem,
         )
         return None
-    tidy(Path(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
     jax.config.update("jax_compilation_cache_max_size", cap)

@@ -191,14 +191,17 @@ class Model:
             adapters=stack, adapter_names=tuple(adapters or ()),
         )  # fmt: skip
 
-    def row_adapters(self, index: np.ndarray) -> RowAdapters | None:
+    def row_adapters(self, index: np.ndarray, *, split: bool = True) -> RowAdapters | None:
         """What a jitted step takes for rows whose adapters are `index` [B] (0: none), placed as
-        the rows are; None where the model has no adapters (the decoder's plain path). A model
-        with adapters passes them for every step, base rows included, so the set of compiled
-        shapes does not depend on which adapters a batch holds."""
+        the rows are: split over "data", or (`split=False`, a step whose rows are not split,
+        such as a lone query's one-row prefill) left for jit to place as that step's tokens;
+        None where the model has no adapters (the decoder's plain path). A model with adapters
+        passes them for every step, base rows included, so the set of compiled shapes does not
+        depend on which adapters a batch holds."""
         if self.adapters is None:
             return None
-        return RowAdapters(self.adapters, self.layout.put_rows(np.asarray(index, np.int32)))
+        index = np.asarray(index, np.int32)
+        return RowAdapters(self.adapters, self.layout.put_rows(index) if split else index)
 
     @property
     def weights(self) -> Params:

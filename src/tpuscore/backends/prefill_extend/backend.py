@@ -262,7 +262,6 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
         layout, queries = self.model.layout, wave.queries
         row_adapters = np.zeros(step.rows, np.int32)  # padding rows: none
         row_adapters[: len(step.chunks)] = [self._adapter(wave, c.query) for c in step.chunks]
-        adapters = self.model.row_adapters(row_adapters)
         chunks = [queries[c.query][c.start : c.stop] for c in step.chunks]
         tokens = np.zeros((step.rows, step.length), np.int32)
         for r, chunk in enumerate(chunks):
@@ -279,7 +278,8 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
                 config=self.model.config,
                 size=step.size,
                 platform=self.model.platform,
-                adapters=adapters,
+                # One row, not split over "data" (a mesh's data axis cannot divide it).
+                adapters=self.model.row_adapters(row_adapters, split=False),
             )
             return [prefix]
         counts = np.zeros(tokens.shape[0], np.int32)
@@ -294,7 +294,7 @@ class PrefillExtendBackend(Planning, StepShapes, Loglikelihood, PromptLogprobs, 
             layout.put_rows(counts),
             config=self.model.config,
             size=step.size,
-            adapters=adapters,
+            adapters=self.model.row_adapters(row_adapters),
         )
         stacked = layout.put_prefix(stacked, stacked=True)  # as `warm` places it (on a mesh)
         return [self.unstack(stacked, np.int32(r), size=step.size) for r in range(len(chunks))]

@@ -111,7 +111,7 @@ class StepShapes:
         params, config = self.model.params, self.model.config
         tokens = np.zeros((1, length), np.int32)
         args = (params, self._zero_prefix(base_len), tokens, np.int32(1))
-        adapters = self.model.row_adapters(np.zeros(1, np.int32))
+        adapters = self.model.row_adapters(np.zeros(1, np.int32), split=False)  # as run places it
         kwargs = {"config": config, "size": size, "platform": self.model.platform}
         return args, {**kwargs, "adapters": adapters}
 

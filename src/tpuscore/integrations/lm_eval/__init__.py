@@ -23,6 +23,8 @@ What runs:
   (`get_rolling_token_windows` + `make_disjoint_window`, one token of context), each window
   scored as token ids.
 - `generate_until` raises `NotImplementedError`: tpuscore scores text, it does not generate.
+- A model with a classification head is refused when the harness makes it: it has no token
+  log-likelihoods.
 
 Max length: the harness's `hf` model feeds at most `max_length` tokens and scores up to
 `max_length + 1` tokens (the last one is only predicted); tpuscore takes sequences of at most
@@ -104,6 +106,11 @@ class TpuscoreLM(TemplateLM):
         )
         if self.scorer.tokenizer is None:
             raise ValueError(f"{pretrained!r} has no tokenizer; the harness sends text")
+        if self.scorer.config.num_labels:  # refused here, not at the first of many requests
+            raise ValueError(
+                f"{pretrained!r} has a classification head, not an LM head: it has no token "
+                "log-likelihoods for the harness's tasks to score"
+            )
         self.pretrained = pretrained
         self.scoring_backend = backend
         limit = self.scorer.config.max_position_embeddings - 1
