@@ -228,8 +228,8 @@ def run_replicas(args: argparse.Namespace, server) -> int:
         }
     )
     print(
-        f"tpuscore: serving {args.replicas} replicas on http://{args.host}:{args.port} "
-        "(Ray Serve; requests routed by query)",
+        f"tpuscore: starting {args.replicas} replicas on http://{args.host}:{args.port} "
+        "(Ray Serve; requests routed by query); each serves once its model is loaded",
         file=sys.stderr,
     )
     try:
