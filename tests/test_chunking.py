@@ -285,3 +285,16 @@ def test_chunks_past_the_scorers_max_items_are_refused_before_they_are_built(sco
             call("q", [text], labels=LABELS, chunking={"window": 1})
         assert (refused.value.code, refused.value.param) == ("too_many_items", "items")
         assert "chunks, each an item; this scorer" in str(refused.value)
+
+
+def test_max_item_tokens_below_the_window_is_refused(scorer):
+    """It would cut each chunk while best_span named the whole window; at or past the window it
+    cuts nothing and is accepted."""
+    text = "one two three four five six seven eight nine ten"
+    for call in (scorer.score, scorer.rank):
+        with pytest.raises(ValidationError) as refused:
+            call("q", [text], labels=LABELS, chunking={"window": 8}, max_item_tokens=2)
+        assert (refused.value.code, refused.value.param) == ("invalid_argument", "max_item_tokens")
+    capped = scorer.score("q", [text], labels=LABELS, chunking={"window": 8}, max_item_tokens=8)
+    plain = scorer.score("q", [text], labels=LABELS, chunking={"window": 8})
+    np.testing.assert_array_equal(capped.scores, plain.scores)

@@ -21,7 +21,7 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import bounds, templates, validation
-from tpuscore.api.argument_checks import is_token_list
+from tpuscore.api.argument_checks import check_truncation, is_token_list
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
@@ -92,6 +92,23 @@ def split(
             owners.append(d)
             spans.append(span)
     return Chunks(items, np.asarray(owners, np.int64), spans, len(documents))
+
+
+def _plan(chunking: Any, options: ScoreOptions) -> Chunking:
+    """The request's `Chunking`; a max_item_tokens below its window is refused: it would cut
+    every chunk while the chunk's span still named the whole window."""
+    plan = Chunking.of(chunking)
+    cap = options.max_item_tokens
+    check_truncation(cap, options.truncate)
+    if cap is not None and cap < plan.window:
+        raise ValidationError(
+            "invalid_argument",
+            f"max_item_tokens={cap} would cut each chunk of chunking.window={plan.window} "
+            f"tokens (the chunk's span would name tokens never scored): set chunking.window="
+            f"{cap} instead",
+            "max_item_tokens",
+        )
+    return plan
 
 
 def located(error: ValidationError, chunks: Chunks) -> ValidationError:
@@ -167,7 +184,7 @@ def score(
     """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
     carries `calibrated` per chunk under the engine's calibration (as an item's would; the
     documents' aggregated scores are not calibrated)."""
-    chunking = Chunking.of(chunking)
+    chunking = _plan(chunking, options)
     validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
     chunks = split(engine.tokenizer, items, chunking, limits=engine.limits)
     try:
@@ -236,7 +253,7 @@ def rank(
 ) -> list[RankedDocument]:
     """`Scorer.rank(..., chunking=)`: the chunks ranked as `Scorer.rank` ranks items (the
     template renders each chunk as a document), in one request; then the documents."""
-    chunking = Chunking.of(chunking)
+    chunking = _plan(chunking, options)
     if top_k is not None:
         top_k = ranking._check_index(top_k, "top_k", minimum=1)
     validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
