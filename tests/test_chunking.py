@@ -284,7 +284,7 @@ def test_chunks_past_the_scorers_max_items_are_refused_before_they_are_built(sco
         with pytest.raises(ValidationError) as refused:
             call("q", [text], labels=LABELS, chunking={"window": 1})
         assert (refused.value.code, refused.value.param) == ("too_many_items", "items")
-        assert "chunks, each an item; this scorer" in str(refused.value)
+        assert "chunks, each an item; this scorer (Scorer(limits=...)" in str(refused.value)
 
 
 def test_max_item_tokens_below_the_window_is_refused(scorer):

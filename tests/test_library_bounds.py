@@ -5,6 +5,7 @@ chunked score and rank, loglikelihood, prompt_logprobs, the Batcher; a server ov
 answers 413; a job scores a query's pair rows in parts that fit."""
 
 import argparse
+import collections.abc
 
 import attrs
 import httpx
@@ -64,10 +65,24 @@ def test_every_door_refuses_a_request_past_the_scorers_bounds(small, monkeypatch
     ranked = lambda: small.rank("q", long, labels=LABELS, chunking=window)  # noqa: E731
     refused(ranked, "input_too_long", "items[0]")
     monkeypatch.undo()
-    # ... and a document cut into more chunks than a request may hold, once cut.
-    with pytest.raises(ValidationError) as e:
-        small.score("q", ["the river ran past the old mill"], [5], chunking={"window": 2})
-    assert e.value.code == "too_many_items"
+    # ... and a document cut into more chunks than a request may hold, before it is cut.
+    cut = lambda: small.score("q", ["the river ran past the old mill"], ids, chunking=window)  # noqa: E731
+    refused(cut, "too_many_items", "items")
+    # Items in any sequence validation takes are counted.
+    refused(lambda: small.score("q", Items(four), ids), "too_many_items", "items")
+
+
+class Items(collections.abc.Sequence):
+    """A sequence of items that is neither a list nor a tuple."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
 
 
 def test_a_zero_dimensional_array_is_refused_as_a_number_is_at_every_door(scorers):

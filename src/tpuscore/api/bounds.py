@@ -4,7 +4,7 @@ refused request costs one pass over its lengths."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -108,7 +108,8 @@ def check_size(
     per-token check here would make several times slower)."""
     name, entries = items
     entries = [entries] if isinstance(entries, str) else entries
-    count = len(entries) if isinstance(entries, (list, tuple)) else 0
+    # Any sequence validation takes as items is counted (a Sequence subclass got past this).
+    count = len(entries) if isinstance(entries, Sequence) and not isinstance(entries, str) else 0
     # A malformed token-id list is refused as such (400) before a bound (413): one pass over
     # what the body already holds.
     for i, entry in enumerate(entries if count and check_ids else ()):

@@ -49,7 +49,7 @@ def split(
     *,
     limits: RequestLimits,
     num_labels: int = 0,
-    holder: str = "this scorer",
+    holder: str = validation.SCORER_BOUNDS,
 ) -> Chunks:
     """Cut every document (all text or all token ids) by `chunking`; more chunks than `limits`
     takes items (or, with num_labels, answers scores) are refused before any is built (a
