@@ -226,7 +226,7 @@ def test_request_stream_compiles_once_per_bucket(scorers, rng, backend):
     scorer = scorers("llama3_rope_tied")
     vocab = scorer.config.vocab_size
     requests = []
-    for _ in range(30):
+    for _ in range(16):
         query = random_tokens(rng, int(rng.integers(1, 100)), vocab)
         items = _items(rng, int(rng.integers(1, 40)), vocab)
         labels = random_tokens(rng, int(rng.integers(1, 7)), vocab)
