@@ -187,3 +187,20 @@ def test_a_folder_that_cannot_be_used_leaves_the_cache_off(tmp_path, jax_cache_s
     assert caplog.text.count("Not caching compiled executables") == 2
     assert jax.config.jax_compilation_cache_dir == before
     _compile_new()  # compiling still works
+
+
+def test_a_folder_that_cannot_be_written_leaves_the_cache_off(
+    tmp_path, jax_cache_settings, caplog, monkeypatch
+):
+    """A read-only folder over its cap: eviction fails (as root, which may write anywhere, the
+    failure is made). The cache stays off with a warning, and compiling goes on."""
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(compilation_cache, "evict", read_only)
+    with caplog.at_level(logging.WARNING, logger=compilation_cache.__name__):
+        assert compilation_cache.enable(tmp_path, max_bytes=1) is None
+    assert "Not caching compiled executables" in caplog.text
+    assert jax.config.jax_compilation_cache_dir is None
+    _compile_new()

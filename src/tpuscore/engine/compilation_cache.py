@@ -117,7 +117,13 @@ def enable(path: str | os.PathLike | None = None, max_bytes: int | None = None) 
     # JAX opens its cache once, at the first compile after a directory is set, and would keep
     # the first directory and cap: reset it, and open this one as tpuscore's.
     jax_cache.reset_cache()
-    _install(path, cap)
+    try:
+        _install(path, cap)
+    except OSError as e:  # a folder it may read but not write: evicting fails
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax_cache.reset_cache()
+        logger.warning("Not caching compiled executables in %s: %s", path, e)
+        return None
     return path
 
 
