@@ -32,11 +32,9 @@ if SHARED_ENV not in os.environ:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from helpers import SEED_ENV, run_seed, seeded_rng  # noqa: E402
+from helpers import FAMILY_CASES, SEED_ENV, run_seed, seeded_rng  # noqa: E402
 from tpuscore import DefaultModelMissingError, Scorer  # noqa: E402
 from tpuscore.models.loaders.default import default_model_path as find_default_model  # noqa: E402
-
-FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
 
 
 def pytest_configure(config):

@@ -47,6 +47,8 @@ def compile_events() -> list[str]:
     return events
 
 
+# The decoder families the `case` fixture (conftest.py) runs a test on.
+FAMILY_CASES = ("llama_gqa_untied", "llama3_rope_tied", "qwen2_bias", "qwen3_qknorm")
 SEED_ENV = "TPUSCORE_TEST_SEED"
 
 

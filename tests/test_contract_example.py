@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import random_tokens
+from helpers import FAMILY_CASES, random_tokens
 from tpuscore import Scorer, backends
 from tpuscore.backends import registry
 
@@ -36,6 +36,12 @@ def test_the_example_is_about_sixty_lines_and_uses_no_private_name():
     assert not re.search(r"\._[a-z]", source)
 
 
+# One family in CI: the example shows the contract, and every family meets serial and
+# transformers through the built-in backends (test_parity_hf.py); the others run as slow tests.
+@pytest.mark.parametrize(
+    "case",
+    [FAMILY_CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in FAMILY_CASES[1:])],
+)
 def test_the_example_backend_equals_serial(example, case, scorers, rng):
     assert registry.missing_members(example) == []
     base = scorers(case)

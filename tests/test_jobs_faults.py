@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from test_jobs import CASE, pairs_table
 from tpuscore.jobs import load_scorer, score_table
@@ -51,6 +52,7 @@ def _same_table(got: pa.Table, want: pa.Table) -> None:
             np.testing.assert_array_equal(b, a, err_msg=name)
 
 
+@pytest.mark.slow  # five `tpuscore job` processes; in process: test_jobs_resume.py, _lock.py
 def test_faults_end_in_a_refusal_or_the_uninterrupted_table(checkpoint_dir, rng, tmp_path):
     table = pairs_table(rng, SHARDS * SHARD_ROWS, users=5).to_pydict()
     table["item_text"][int(rng.integers(0, SHARDS * SHARD_ROWS))] = None  # one bad row
