@@ -21,7 +21,7 @@ _EXPORTS = {
     "DefaultModelMissingError": "tpuscore.models.loaders.default",
     "LoglikelihoodResult": "tpuscore.tasks.loglikelihood",
     "ModelConfig": "tpuscore.models.config",
-    "Overloaded": "tpuscore.serving.batcher",
+    "Overloaded": "tpuscore.serving.admission",
     "PrecisionError": "tpuscore.models.model",
     "RankedItem": "tpuscore.tasks.ranking",
     "ScoreOptions": "tpuscore.api.requests",
@@ -67,8 +67,8 @@ if TYPE_CHECKING:  # the names for type checkers and editors
     from tpuscore.models.model import PrecisionError as PrecisionError
     from tpuscore.models.weights import CheckpointMismatchError as CheckpointMismatchError
     from tpuscore.scorer import Scorer as Scorer
+    from tpuscore.serving.admission import Overloaded as Overloaded
     from tpuscore.serving.batcher import Batcher as Batcher
     from tpuscore.serving.batcher import DeadlineExceeded as DeadlineExceeded
-    from tpuscore.serving.batcher import Overloaded as Overloaded
     from tpuscore.tasks.loglikelihood import LoglikelihoodResult as LoglikelihoodResult
     from tpuscore.tasks.ranking import RankedItem as RankedItem

@@ -292,7 +292,7 @@ def batcher_options(args: argparse.Namespace) -> dict[str, object]:
         "request_timeout_s": args.request_timeout,
     }
     options = {name: value for name, value in values.items() if value is not None}
-    from tpuscore.serving.batcher import OptionError, check_options
+    from tpuscore.serving.admission import OptionError, check_options
 
     try:
         check_options(**options)

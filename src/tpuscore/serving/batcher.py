@@ -41,17 +41,22 @@ import asyncio
 import collections
 import heapq
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from tpuscore.api import bounds
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreRequest
 from tpuscore.api.results import ScoreResult
+from tpuscore.serving.admission import (
+    DEFAULT_TOKENIZE_WORKERS,
+    Overloaded,
+    check_options,
+    estimate_tokens,
+    is_positive_seconds,
+)
 from tpuscore.serving.batch_queue import BatchQueue, Pending, complete
 from tpuscore.serving.batch_queue import DeadlineExceeded as DeadlineExceeded
 
@@ -60,12 +65,6 @@ from tpuscore.serving.batch_queue import DeadlineExceeded as DeadlineExceeded
 # still finishes in tens of milliseconds there. The backends split a batch into steps by their own
 # memory budgets, so this bounds the wait of a batch's last request, not device memory.
 DEFAULT_MAX_BATCH_TOKENS = 8192
-# Bytes of text per token in the admission estimate: English BPE text averages about 4 bytes a
-# token. An estimate only; the exact count replaces it once the request is tokenized.
-ESTIMATE_BYTES_PER_TOKEN = 4
-# Threads that tokenize `score_async` requests. Tokenizers release the GIL while they encode, so
-# two keep an event loop responsive while using the spare cores; more only queue behind the GIL.
-DEFAULT_TOKENIZE_WORKERS = 2
 
 
 class Scoring(Protocol):
@@ -80,65 +79,6 @@ class Scoring(Protocol):
     def run(
         self, requests: Sequence[ScoreRequest], *, backend: str | None = None
     ) -> list[ScoreResult]: ...
-
-
-class Overloaded(RuntimeError):
-    """The batcher already holds `max_pending` unfinished requests (or `max_queued_tokens`
-    tokens): the submission is refused at once instead of queueing without bound. Retry later;
-    a server answers 503."""
-
-    def __init__(self, max_pending: int, reason: str | None = None):
-        super().__init__(
-            reason
-            or f"the batcher already holds max_pending={max_pending} unfinished requests; "
-            "retry later or raise max_pending"
-        )
-        self.max_pending = max_pending
-
-
-class OptionError(ValueError):
-    """A `Batcher` option out of its range; `option` names it (the serve command names its flag)."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option} {message}")
-        self.option, self.message = option, message
-
-
-# Counts whose None means the default (max_queued_tokens: no bound).
-_DEFAULTED = ("max_batch_tokens", "max_request_step_tokens", "max_queued_tokens")
-
-
-def check_options(
-    *,
-    max_wait_ms: Any = 2.0,
-    max_batch_tokens: Any = None,
-    max_pending: Any = 1024,
-    max_request_step_tokens: Any = None,
-    max_queued_tokens: Any = None,
-    request_timeout_s: Any = None,
-    tokenize_workers: Any = DEFAULT_TOKENIZE_WORKERS,
-) -> None:
-    """Raise `OptionError` for the first `Batcher` option out of its range (None: its default)."""
-    if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)):
-        raise OptionError("max_wait_ms", f"must be a number of milliseconds, got {max_wait_ms!r}")
-    if not 0 <= max_wait_ms < math.inf:
-        raise OptionError("max_wait_ms", f"must be >= 0 and finite, got {max_wait_ms!r}")
-    for name, value in (
-        ("max_batch_tokens", max_batch_tokens),
-        ("max_pending", max_pending),
-        ("max_request_step_tokens", max_request_step_tokens),
-        ("max_queued_tokens", max_queued_tokens),
-        ("tokenize_workers", tokenize_workers),
-    ):
-        if value is None and name in _DEFAULTED:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise OptionError(name, f"must be an int >= 1, got {value!r}")
-    if request_timeout_s is not None and not _is_positive_seconds(request_timeout_s):
-        raise OptionError(
-            "request_timeout_s",
-            f"must be a positive number of seconds or None, got {request_timeout_s!r}",
-        )
 
 
 class Batcher(BatchQueue):
@@ -347,7 +287,7 @@ class Batcher(BatchQueue):
         self._check_open()
         if timeout_s is None:
             timeout_s = self.request_timeout_s
-        elif not _is_positive_seconds(timeout_s):
+        elif not is_positive_seconds(timeout_s):
             raise ValidationError(
                 "invalid_argument",
                 f"timeout_s must be a positive number of seconds, got {timeout_s!r}",
@@ -416,33 +356,8 @@ class Batcher(BatchQueue):
             return self._tokenizer_pool
 
 
-def estimate_tokens(query: Any, items: Any) -> int:
-    """A request's query and item tokens, estimated without tokenizing: exact for token ids,
-    UTF-8 bytes / `ESTIMATE_BYTES_PER_TOKEN` for text; 0 for what validation will refuse."""
-
-    def size(value: Any) -> int:
-        if isinstance(value, str):
-            n = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
-            return math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
-        return bounds.length(value)
-
-    total = size(query)
-    if isinstance(items, (list, tuple)):
-        total += sum(map(size, items))
-    return total
-
-
 def _retrieved(future: asyncio.Future) -> None:
     """Mark a tokenization's outcome as seen: its caller reads the request's future instead,
     and asyncio would log an error nobody retrieved."""
     if not future.cancelled():
         future.exception()
-
-
-def _is_positive_seconds(value: Any) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and value > 0
-    )

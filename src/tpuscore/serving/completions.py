@@ -29,7 +29,8 @@ from starlette.responses import Response
 from tpuscore.api import bounds, tokenization
 from tpuscore.api.errors import ValidationError
 from tpuscore.serving import guards
-from tpuscore.serving.batcher import DeadlineExceeded, estimate_tokens
+from tpuscore.serving.admission import estimate_tokens
+from tpuscore.serving.batcher import DeadlineExceeded
 from tpuscore.serving.protocol import DefaultOnly, WireRequest, default_only
 from tpuscore.tasks.prompt_logprobs import TOP, PromptLogprobs
 
