@@ -16,13 +16,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-# XLA:CPU splits each compile's code generation into modules it builds on several threads; with
-# one pytest worker per core that only adds work: one module compiles the suite ~9% faster
-# (user time too). The code is the same (scores bit-identical with and without it, every
-# backend, float32 and mixed, on the default model), so the tests check what users run.
-if "--xla_cpu_parallel_codegen_split_count" not in os.environ.get("XLA_FLAGS", ""):
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_parallel_codegen_split_count=1".strip()
 # Likewise a directory the workers share for references that are slow to build.
 SHARED_ENV = "TPUSCORE_TESTS_SHARED_DIR"
 if SHARED_ENV not in os.environ:
