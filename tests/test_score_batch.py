@@ -166,3 +166,17 @@ def test_a_located_error_keeps_its_location_through_pickling():
         "c", ("requests", 3, "items", 2), "bad", "requests[3]: bad"
     )  # fmt: skip
     assert error.within("requests[3]").loc == ("requests", 3, "requests", 3, "items", 2)
+
+
+def test_run_refuses_what_prepare_did_not_make(scorers):
+    """A mapping of score's arguments (score_batch's input) is refused by position, not met as
+    an AttributeError inside the planner."""
+    scorer = scorers("llama_gqa_untied")
+    good = scorer.prepare([1, 2], [[3]], [4, 5])
+    for requests, param in [
+        ([good, {"query": [1], "items": [[2]]}], "requests[1]"),
+        ("q", "requests"),
+    ]:
+        with pytest.raises(ValidationError) as refused:
+            scorer.run(requests)
+        assert (refused.value.code, refused.value.param) == ("invalid_argument", param)

@@ -19,6 +19,7 @@ import tokenizers
 from tpuscore.api import validation
 from tpuscore.api.calibration import Calibration
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.messages import short
 from tpuscore.api.requests import (
     LoglikelihoodRequest,
     RequestLimits,
@@ -204,6 +205,7 @@ class Engine:
         labels and item_first, each backend called once with all the groups that picked it.
         Every group's backend is checked before any runs; on_progress, if given, gets the number
         of requests each backend call completes."""
+        _check_prepared(requests)
         name = self.backend_name(backend)
         results = [
             ScoreResult.empty(len(r.label_ids), r.apply_softmax, r.classification) for r in requests
@@ -313,3 +315,22 @@ class Engine:
                 if name not in names:
                     names.append(name)
         return shapes.shape_set(self.backends, names, shapes.limits_for(self.config, limits))
+
+
+def _check_prepared(requests: Any) -> None:
+    """`run` takes what `prepare` made: anything else (a mapping of `score`'s arguments, a
+    result) is refused by position, not met later as an AttributeError."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise ValidationError(
+            "invalid_argument",
+            f"requests must be a list of prepared requests, got {short(requests)}",
+            "requests",
+        )
+    for i, request in enumerate(requests):
+        if not isinstance(request, ScoreRequest):
+            raise ValidationError(
+                "invalid_argument",
+                f"requests[{i}] must be a ScoreRequest (from prepare or prepare_request), got "
+                f"{short(request)}; score_batch takes mappings of score's arguments",
+                f"requests[{i}]",
+            )
