@@ -30,6 +30,8 @@ def test_class_logits_match_transformers(case, checkpoint_dir, scorers, rng):
     scorer = scorers(case)
     vocab, classes = scorer.config.vocab_size, scorer.config.num_labels
     query = random_tokens(rng, int(rng.integers(1, 40)), vocab)
+    if query[-1] == PAD:  # with the empty item, a query ending in padding is refused (ambiguous)
+        query[-1] = PAD + 1
     items = [random_tokens(rng, n, vocab) for n in (0, 1, 6, 17)]
     items[2][-2:] = [PAD, PAD]  # trailing padding: transformers pools the token before it
     expected = hf_class_logits(checkpoint_dir(case), [query + item for item in items])
