@@ -4,7 +4,6 @@ A request's options are `ScoreOptions`' fields, by keyword; docs/api.md describe
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from tpuscore.backends import registry
 from tpuscore.engine import building, executables, selection
 from tpuscore.engine.building import Adapters, BackendOptions, Profile
 from tpuscore.engine.shapes import Limits, StepShape
+from tpuscore.engine.view import EngineView
 from tpuscore.engine.warmup import Warmed
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
@@ -34,14 +34,10 @@ from tpuscore.tasks.ranking import RankedItem
 Query, Items = str | list[int], list[str] | list[list[int]]
 
 
-def _engine_attribute(path: str, doc: str, convert: Callable = lambda x: x) -> property:
-    """A read-only attribute of the scorer's engine at dotted `path` (as `convert` gives it)."""
-    return property(lambda self: convert(operator.attrgetter(path)(self.engine)), doc=doc)
-
-
-class Scorer:
+class Scorer(EngineView):
     """Scores items against a query with a decoder-only LM: log P(label | query + item). Build
-    one with `from_pretrained` and reuse it (it keeps compiled shapes and caches). Thread-safe."""
+    one with `from_pretrained` and reuse it (it keeps compiled shapes and caches). Thread-safe.
+    Its engine's attributes (config, params, tokenizer, limits, ...) are `EngineView`'s."""
 
     def __init__(self, config: ModelConfig, params: Params,
                  tokenizer: tokenizers.Tokenizer | None, **options: Any):  # fmt: skip
@@ -172,22 +168,3 @@ class Scorer:
                ) -> list[StepShape]:  # fmt: skip
         """Every step shape the backends (default: the scorer's) compile for requests in limits."""
         return self.engine.shapes(limits, backends)
-
-    def get_backend(self, name: str) -> registry.Backend:
-        return self.engine.backends.get(name)  # built on first use
-
-    config = _engine_attribute("model.config", "The model's `ModelConfig`.")
-    params = _engine_attribute("model.weights", "The parameters on device.")
-    dtype = _engine_attribute("model.dtype", "Attention's and K/V's dtype.")
-    mesh = _engine_attribute("model.layout.mesh", "The mesh, or None.")
-    tokenizer = _engine_attribute("tokenizer", "The tokenizer, or None.")
-    backends = _engine_attribute("backends", "The `BackendPool`.")
-    cost_model = _engine_attribute("cost_model", "auto's `CostModel`.")
-    model_name = _engine_attribute("model_name", "What a server reports and requests name.")
-    score_calibration = property(  # settable: another calibration (or path) for the same model
-        lambda self: self.engine.score_calibration,
-        lambda self, fitted: setattr(self.engine, "score_calibration", fitted),
-        doc="A `Calibration` (docs/calibration.md), or None; set one, a path or None.",
-    )
-    adapters = _engine_attribute("model.adapter_names", "LoRA adapters, in load order.", list)
-    limits = _engine_attribute("limits", "How large one request may be (`RequestLimits`).")
