@@ -114,6 +114,18 @@ def test_missing_file_and_model(tmp_path, checkpoint_dir, capsys):
     assert "cannot load" in capsys.readouterr().err
 
 
+def test_a_bad_cache_size_variable_is_named_not_the_model(tmp_path, capsys, monkeypatch):
+    """TPUSCORE_COMPILATION_CACHE_MAX_SIZE that is not a size is the variable's fault: the
+    command says so before loading, not "cannot load MODEL"."""
+    monkeypatch.setenv("TPUSCORE_COMPILATION_CACHE", str(tmp_path / "cc"))
+    monkeypatch.setenv("TPUSCORE_COMPILATION_CACHE_MAX_SIZE", "lots")
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1]}')
+    assert cli.main(["score", "--model", str(tmp_path / "missing"), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "TPUSCORE_COMPILATION_CACHE_MAX_SIZE='lots'" in err and "cannot load" not in err, err
+
+
 @pytest.mark.parametrize(
     ("mesh", "message"), [("2x4", "needs 8 devices; there are 1"), ("two", "DATAxMODEL")]
 )

@@ -24,6 +24,12 @@ def load_scorer(args: argparse.Namespace):
     from tpuscore.engine import compilation_cache
 
     mesh = parse_mesh(args.mesh)
+    cache_dir = compilation_cache.command_dir(args.no_compilation_cache)
+    if cache_dir:
+        try:  # the variable's own message, not "cannot load the model"
+            compilation_cache.max_size()
+        except ValueError as e:
+            raise InputError(str(e)) from None
     try:
         return Scorer.from_pretrained(
             args.model,
@@ -31,7 +37,7 @@ def load_scorer(args: argparse.Namespace):
             backend=args.backend,
             mesh=mesh,
             profile=args.profile,
-            compilation_cache_dir=compilation_cache.command_dir(args.no_compilation_cache),
+            compilation_cache_dir=cache_dir,
             batch_invariant=args.batch_invariant,
             score_calibration=getattr(args, "score_calibration", None),
             adapters=parse_adapters(getattr(args, "adapter", None)),
