@@ -14,6 +14,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
 from tpuscore.models.loaders.gguf import read_gguf
+from tpuscore.models.weights import CheckpointMismatchError
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +288,14 @@ def test_rejects(tmp_path, metadata, error, match):
     path, _ = _tiny_gguf(tmp_path, "llama", metadata)
     with pytest.raises(error, match=match):
         read_gguf(path)
+
+
+def test_a_truncated_file_is_named_as_truncated(tmp_path):
+    """A download cut short fails in gguf's reader with a bare numpy reshape error that names
+    no file; the loader names the file and what is wrong with it."""
+    path, _ = _tiny_gguf(tmp_path, "llama")
+    data = open(path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 7])
+    with pytest.raises(CheckpointMismatchError, match=r"cut\.gguf is not a whole GGUF file"):
+        read_gguf(cut)

@@ -21,6 +21,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 from tpuscore.models.config import ModelConfig, UnsupportedModelError
+from tpuscore.models.weights import CheckpointMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,14 @@ class GGUFCheckpoint:
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Read a llama, qwen2 or qwen3 GGUF file into a config, float32 tensors and a tokenizer."""
-    reader = gguf.GGUFReader(path, "r")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError) as e:  # gguf's reader names no file, only numpy
+        size = os.path.getsize(path)
+        raise CheckpointMismatchError(
+            f"{os.fspath(path)} is not a whole GGUF file ({size} bytes): truncated or corrupt "
+            f"({type(e).__name__}: {e})"
+        ) from e
     meta = _Metadata(reader, os.fspath(path))
     tensor_names = {t.name for t in reader.tensors}
     tokens = meta.get("tokenizer.ggml.tokens")
