@@ -79,6 +79,14 @@ def test_classification_requests_refused(scorers, kwargs, query, items, code, pa
     assert (raised.value.code, raised.value.param) == (code, param)
 
 
+def test_token_log_probabilities_are_refused_with_one_code(scorers):
+    scorer = scorers("qwen3_seq_cls")
+    for ask in (lambda: scorer.loglikelihood([5], [[6]]), lambda: scorer.prompt_logprobs([[5]])):
+        with pytest.raises(ValidationError) as raised:
+            ask()
+        assert raised.value.code == "no_language_model_head"
+
+
 def test_server_scores_and_reranks_a_classification_model(scorers):
     """SGLang's /v1/score without label_token_ids answers the class logits (their softmax with
     apply_softmax); /v1/rerank ranks by the relevant class (the last) through the template."""
@@ -100,6 +108,11 @@ def test_server_scores_and_reranks_a_classification_model(scorers):
             refused = client.post("/v1/score", json=body | {"label_token_ids": [1]})
             assert refused.status_code == 400
             assert refused.headers["x-error-code"] == "labels_on_classification_model"
+            # No next-token distribution: the completions door says so as loglikelihood does.
+            prompt = {"prompt": [5, 6, 7], "echo": True, "logprobs": 1, "max_tokens": 0}
+            refused = client.post("/v1/completions", json=prompt)
+            assert refused.status_code == 400
+            assert refused.headers["x-error-code"] == "no_language_model_head"
             docs = ["a fox", "the market", "a river", "rotary embeddings"]
             ranked = client.post("/v1/rerank", json={"query": "fox?", "documents": docs})
             assert ranked.status_code == 200, ranked.text

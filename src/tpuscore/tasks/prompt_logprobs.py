@@ -59,8 +59,9 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
     config = engine.model.config
     if config.num_labels:
         raise ValidationError(
-            "unsupported_model",
-            "a classification model has no next-token probabilities to report",
+            "no_language_model_head",  # as loglikelihood says it: one code for one cause
+            "this model has a classification head, not an LM head: it has no next-token "
+            "probabilities to report",
             param,
         )
     bounds.check_size(
