@@ -96,6 +96,11 @@ def test_text_chunks_re_encode_to_the_documents_tokens(scorer, rng):
         )
         == doc
     )
+    # A numpy column of documents is cut as its list is.
+    column = chunked.split(
+        scorer.tokenizer, np.array([doc]), Chunking(window=7), limits=scorer.limits
+    )
+    assert "".join(column.items) == doc
 
 
 # -- exactness ------------------------------------------------------------------------------------

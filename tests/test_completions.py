@@ -122,6 +122,12 @@ def test_prompts_sharing_a_prefix_share_it_and_equal_each_alone(scorer, rng, mon
     for a, t in zip(alone, together, strict=True):
         np.testing.assert_allclose(t.token_logprobs, a.token_logprobs, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(t.top_logprobs, a.top_logprobs, rtol=1e-5, atol=1e-5)
+    # Prompts of one length as the rows of a 2-d array: the same prompts.
+    rows = scorer.prompt_logprobs(np.array(prompts[:1] * 2))
+    for row in rows:
+        np.testing.assert_allclose(
+            row.token_logprobs, alone[0].token_logprobs, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_text_prompts_are_tokenized_with_special_tokens(client, scorer):

@@ -239,6 +239,24 @@ def test_token_ids_of_any_int_kind_come_back_as_fresh_int_lists():
     assert all(type(t) is int for t in request.query + request.items[1] + request.label_ids)
 
 
+def test_numpy_arrays_of_texts_or_of_id_rows_are_read_as_their_lists():
+    """A column from numpy or pandas (.to_numpy()): 1-d arrays of str or object, 2-d int rows."""
+    texts = ScoreOptions(labels=np.array(["yes", "no"]))
+    as_list = validation.validate("the", ["cat sat", "dog"], ScoreOptions(labels=["yes", "no"]), LM)
+    for items in (np.array(["cat sat", "dog"]), np.array(["cat sat", "dog"], dtype=object)):
+        assert validation.validate("the", items, texts, LM) == as_list
+    rows = validation.validate(
+        [1], np.array([[3, 4], [5, 6]], np.int32), ScoreOptions(**LABELS), LM
+    )
+    assert rows.items == [[3, 4], [5, 6]]
+    ll = validation.validate_loglikelihood("the", np.array(["cat", "dog"]), LM)
+    assert ll.continuations == [[4], [10]]
+    # An array that is neither (one item's ids, floats) is still refused.
+    for items in (np.array([3, 4]), np.array([[1.5]]), np.zeros((1, 1, 1), int)):
+        with pytest.raises(ValidationError, match="must be a list"):
+            validation.validate([1], items, ScoreOptions(**LABELS), LM)
+
+
 @pytest.mark.parametrize(
     "truncate, kept", [("right", [[3, 4], [5], [3, 4]]), ("left", [[5, 6], [5], [6, 7]])]
 )

@@ -26,6 +26,17 @@ def is_token_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not isinstance(value, str)
 
 
+def listed(value: Any) -> Any:
+    """A numpy array of texts (1-d, str or object) or of token-id rows (2-d ints) as the list
+    of its entries, which the checks read as they read a list; anything else as it is."""
+    if isinstance(value, np.ndarray) and (
+        (value.ndim == 1 and value.dtype.kind in "UO")
+        or (value.ndim == 2 and value.dtype.kind in "iu")
+    ):
+        return list(value)
+    return value
+
+
 def _plain_ints(value: Any) -> list[int] | None:
     """A copy of value as a list if it is an int array or a list of plain ints, else None (a
     bad id is then named element by element)."""
@@ -89,6 +100,7 @@ def labels_to_ids(
             "invalid_label_token_ids", "give label_token_ids or labels, not both", "labels"
         )
     if labels is not None:
+        labels = listed(labels)
         if isinstance(labels, str) or not isinstance(labels, Sequence):
             raise ValidationError(
                 "invalid_label_token_ids",

@@ -22,6 +22,7 @@ from tpuscore.api.argument_checks import (
     input_kind,
     item_suffix_ids,
     labels_to_ids,
+    listed,
     require_tokenizer,
     token_ids,
     truncate_item,
@@ -84,6 +85,7 @@ def check_request_size(query: Any, items: Any, options: ScoreOptions, model: Mod
 def validate(query: Any, items: Any, options: ScoreOptions, model: ModelFacts) -> ScoreRequest:
     """Check a `Scorer.score` call (its query, items and `ScoreOptions`) for `model` and turn it
     into token ids."""
+    items = listed(items)
     check_request_size(query, items, options, model)
     tokenizer, vocab_size, num_classes = model.tokenizer, model.vocab_size, model.num_classes
     adapter = adapter_index(options.adapter, model.adapters)
@@ -242,6 +244,7 @@ def validate_loglikelihood(
             "context",
         )
     adapter_at = adapter_index(adapter, model.adapters)
+    continuations = listed(continuations)
     check_size(
         model.limits,
         items=("continuations", continuations),

@@ -21,7 +21,7 @@ import numpy as np
 import tokenizers
 
 from tpuscore.api import bounds, templates, validation
-from tpuscore.api.argument_checks import check_truncation, is_token_list
+from tpuscore.api.argument_checks import check_truncation, is_token_list, listed
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
@@ -54,6 +54,7 @@ def split(
     """Cut every document (all text or all token ids) by `chunking`; more chunks than `limits`
     takes items (or, with num_labels, answers scores) are refused before any is built (a
     one-token window over a long text would build one piece per token)."""
+    documents = listed(documents)
     if isinstance(documents, str) or not isinstance(documents, Sequence):
         raise ValidationError("invalid_items", f"{param} must be a list, got {documents!r}", param)
     items: list[Any] = []

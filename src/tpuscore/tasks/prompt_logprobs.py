@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 
 from tpuscore.api import bounds, validation
-from tpuscore.api.argument_checks import is_token_list, token_ids
+from tpuscore.api.argument_checks import is_token_list, listed, token_ids
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.messages import short
 from tpuscore.backends.contract import TOP_LOGPROBS, PositionScores
@@ -64,6 +64,7 @@ def validate(engine: Engine, prompts: Any, param: str = "prompt") -> list[list[i
             "probabilities to report",
             param,
         )
+    prompts = listed(prompts)
     bounds.check_size(
         engine.facts.limits,
         items=(param, prompts),

@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 
 from tpuscore.api import templates
+from tpuscore.api.argument_checks import listed
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
@@ -128,6 +129,7 @@ def rank(
     show_progress: bool = False,
 ) -> list[RankedItem]:
     """`Scorer.rank`: score the items (through a template if given), then `rank_result`."""
+    items = listed(items)
     query_text, item_texts = query, items
     if template is not None:
         tmpl = template if isinstance(template, templates.Template) else templates.get(template)
