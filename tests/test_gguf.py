@@ -4,6 +4,7 @@ SmolLM2 file, and exact round trips of tiny random models written with llama.cpp
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -294,7 +295,7 @@ def test_a_truncated_file_is_named_as_truncated(tmp_path):
     """A download cut short fails in gguf's reader with a bare numpy reshape error that names
     no file; the loader names the file and what is wrong with it."""
     path, _ = _tiny_gguf(tmp_path, "llama")
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) - 7])
     with pytest.raises(CheckpointMismatchError, match=r"cut\.gguf is not a whole GGUF file"):
