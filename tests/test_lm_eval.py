@@ -145,6 +145,39 @@ def test_each_context_runs_once_and_results_keep_request_order(checkpoint, monke
         assert greedy == alone.is_greedy
 
 
+def test_a_peft_adapter_scores_under_the_adapter_as_peft_does(checkpoint, tmp_path):
+    """`peft=ADAPTER` in the model args, as the `hf` model takes it: every request is scored
+    under the LoRA adapter, each within 1e-4 of transformers + peft on the same token ids, and
+    the adapter moves every score off the base model's. (Not against the `hf` model itself:
+    with `peft=` it resizes the embeddings to the tokenizer's length, which the tiny
+    checkpoint's vocabulary deliberately exceeds.)"""
+    import peft
+    import torch
+
+    from lora_reference import ADAPTERS, fresh_hf, save_adapter
+
+    adapter = save_adapter(checkpoint, tmp_path / "adapter", seed=7, **ADAPTERS["attn_mlp"])
+    lm = TpuscoreLM(
+        pretrained=str(checkpoint), peft=str(adapter), dtype="float32", max_length=MAX_LENGTH
+    )
+    reference = peft.PeftModel.from_pretrained(fresh_hf(checkpoint), adapter).eval()
+
+    def continuation_logprob(context_ids, continuation_ids):
+        with torch.no_grad():
+            logits = reference(torch.tensor([context_ids + continuation_ids])).logits[0]
+        rows = logits[len(context_ids) - 1 : -1].log_softmax(-1)
+        return float(rows[range(len(continuation_ids)), continuation_ids].sum())
+
+    args = [("The fox", " jumps"), ("A dog", " sat"), ("The fox", " ran far"), ("Once", " a word")]
+    got = lm.loglikelihood(instances("loglikelihood", args))
+    for (context, continuation), (logprob, _) in zip(args, got, strict=True):
+        ids = lm._encode_pair(context, continuation)
+        assert logprob == pytest.approx(continuation_logprob(*ids), abs=ATOL)
+        with reference.disable_adapter():
+            assert abs(logprob - continuation_logprob(*ids)) > 10 * ATOL
+    assert lm.get_model_info()["peft"] == str(adapter)
+
+
 def test_generate_until_says_tpuscore_does_not_generate(checkpoint):
     lm = TpuscoreLM(pretrained=str(checkpoint), dtype="float32")
     request = Instance("generate_until", {}, ("Q: 2 + 2?\nA:", {"until": ["\n"]}), 0)

@@ -59,6 +59,7 @@ __all__ = ["TpuscoreLM"]
 
 logger = logging.getLogger(__name__)
 
+ADAPTER = "peft"  # the name the `peft` model arg's adapter is loaded under
 Request = tuple[Any, list[int], list[int]]  # (request strings or None, context ids, continuation)
 
 
@@ -77,6 +78,8 @@ class TpuscoreLM(TemplateLM):
             as the `hf` model's, the checkpoint's BOS, else its EOS (from tokenizer_config.json
             or config.json, or the GGUF metadata).
         revision, local_files_only, cache_dir: passed to `Scorer.from_pretrained` for hub ids.
+        peft: a PEFT LoRA adapter directory every request is scored under, as the `hf`
+            model's `peft=` (docs/adapters.md says which adapters load).
         batch_size, max_batch_size, device: the harness passes them to every model; ignored,
             as tpuscore sizes its own batches and runs on JAX's default device.
     """
@@ -91,6 +94,7 @@ class TpuscoreLM(TemplateLM):
         revision: str | None = None,
         local_files_only: bool = False,
         cache_dir: str | None = None,
+        peft: str | os.PathLike | None = None,
         batch_size: Any = None,
         max_batch_size: Any = None,
         device: Any = None,
@@ -103,7 +107,10 @@ class TpuscoreLM(TemplateLM):
             revision=revision,
             local_files_only=local_files_only,
             cache_dir=cache_dir,
+            adapters=None if peft is None else {ADAPTER: peft},
         )
+        self.adapter = None if peft is None else ADAPTER
+        self.peft = peft
         if self.scorer.tokenizer is None:
             raise ValueError(f"{pretrained!r} has no tokenizer; the harness sends text")
         if self.scorer.config.num_labels:  # refused here, not at the first of many requests
@@ -155,7 +162,8 @@ class TpuscoreLM(TemplateLM):
         return str(self.pretrained)
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_name": str(self.pretrained), "model_dtype": str(self.scorer.dtype)}
+        info = {"model_name": str(self.pretrained), "model_dtype": str(self.scorer.dtype)}
+        return info if self.peft is None else info | {"peft": str(self.peft)}
 
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
@@ -194,6 +202,7 @@ class TpuscoreLM(TemplateLM):
                 list(context),
                 [continuations[i] for i in members],
                 backend=self.scoring_backend,
+                adapter=self.adapter,
             )
             for i, result in zip(members, scored, strict=True):
                 answer = (result.logprob, result.is_greedy)
