@@ -114,6 +114,30 @@ def test_missing_file_and_model(tmp_path, checkpoint_dir, capsys):
     assert "cannot load" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("window=0", "chunking.window must be an int >= 1"),
+        ("window=4,stride=9", "chunking.stride must be at most window"),
+        ("window=4,strid=2", "chunking.strid is unknown"),
+        ("window", "'window' is not key=value"),
+    ],
+)
+def test_job_chunking_flag_is_checked_before_the_model_loads(tmp_path, capsys, flag, message):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"query": ["q"], "item": ["a long document"]}), tmp_path / "in.parquet")
+    argv = ["job", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--labels",
+            "a", "b", "--model", str(tmp_path / "missing"), f"--chunking={flag}"]  # fmt: skip
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:  # argparse's own refusal of a flag's value
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "cannot load" not in err, err
+
+
 def test_a_bad_cache_size_variable_is_named_not_the_model(tmp_path, capsys, monkeypatch):
     """TPUSCORE_COMPILATION_CACHE_MAX_SIZE that is not a size is the variable's fault: the
     command says so before loading, not "cannot load MODEL"."""

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--max-item-tokens", type=int, help="truncate each item to this many tokens")
     add("--truncate", choices=["right", "left"], help="which end of an item to keep")
     add(
+        "--chunking",
+        metavar="window=N[,stride=N][,max_chunks=N][,aggregate=max|mean|first]",
+        type=parse_chunking,
+        help="score each item as a document by its chunks of N tokens (docs/chunking.md): the "
+        "output adds chunk_score, best_chunk, chunk_start and chunk_end",
+    )
+    add(
         "--on-error",
         choices=["skip", "fail"],
         default="skip",
@@ -42,6 +49,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--overwrite", action="store_true", help="start again instead of resuming OUTPUT")
     add("--progress", action="store_true", help="a progress bar even when stderr is no terminal")
     add("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def parse_chunking(text: str) -> dict[str, int | str]:
+    """--chunking's key=value pairs as `Chunking`'s fields (the counts as ints); `Chunking`
+    checks the names and values."""
+    fields: dict[str, int | str] = {}
+    for pair in text.split(","):
+        key, sep, value = (part.strip() for part in pair.partition("="))
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{pair!r} is not key=value")
+        fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    return fields
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "instruction": args.instruction,
         "max_item_tokens": args.max_item_tokens,
         "truncate": args.truncate,
+        "chunking": args.chunking,
     }
     backend = None if args.backend == "auto" else args.backend
     try:

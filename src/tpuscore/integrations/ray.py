@@ -40,7 +40,7 @@ class ScoreRows:
             `tpuscore job --score-calibration` writes it (docs/jobs.md).
         **spec: `tpuscore.jobs.Spec`'s fields: query_column, item_column, id_columns, labels,
             label_token_ids, template, instruction, item_suffix, max_item_tokens, truncate,
-            item_first.
+            item_first, chunking.
     """
 
     def __init__(

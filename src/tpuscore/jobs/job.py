@@ -19,13 +19,14 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import pyarrow as pa
 
 from tpuscore.api.calibration import Calibration
+from tpuscore.api.chunking import Chunking
 from tpuscore.jobs import calibrated, fingerprints, locking, schemas, shards
 from tpuscore.jobs.output import Output, paths
 from tpuscore.jobs.scoring import check_options, score_rows
@@ -101,6 +102,7 @@ def score_table(
     max_item_tokens: int | None = None,
     truncate: str | None = None,
     item_first: bool = False,
+    chunking: Chunking | Mapping[str, Any] | None = None,
     on_error: str = "skip",
     shard_rows: int = 4096,
     input_format: str | None = None,
@@ -125,7 +127,8 @@ def score_table(
             content hash), so a resume with another model or input is refused.
         backend: the backend of every `score_batch` call (default the scorer's).
         query_column, item_column, id_columns, labels, label_token_ids, template, instruction,
-            item_suffix, max_item_tokens, truncate, item_first: what to score, as `Spec` says.
+            item_suffix, max_item_tokens, truncate, item_first, chunking: what to score, as
+            `Spec` says (chunking: each item a document scored by its chunks).
         on_error: "skip" writes a bad row to the errors file and goes on; "fail" raises
             `RowFailed` at the first.
         shard_rows: input rows per shard: per `score_batch` call, per output file, and the
@@ -178,6 +181,7 @@ def score_table(
         max_item_tokens=max_item_tokens,
         truncate=truncate,
         item_first=item_first,
+        chunking=chunking,
     )
     table = open_table(input, input_format)
     table = table.as_text(spec.text_columns(table.schema.names))

@@ -27,6 +27,7 @@ from tpuscore.jobs import values
 from tpuscore.jobs.grouping import freeze, group_rows
 from tpuscore.jobs.spec import (
     CALIBRATED,
+    CHUNK_COLUMNS,
     PAIRS,
     REQUESTS,
     JobConfigError,
@@ -34,6 +35,7 @@ from tpuscore.jobs.spec import (
     RowError,
     RowFailed,
 )
+from tpuscore.tasks import chunking as chunked
 
 # A request's size bounds that a query's grouped pair rows can pass together though no row
 # passes them alone: such a group is scored in parts instead.
@@ -56,10 +58,12 @@ class Scored:
 
 @attrs.define
 class _Unit:
-    """One request and the rows it scores (one row, or a query's pair rows)."""
+    """One request and the rows it scores (one row, or a query's pair rows); with chunking,
+    its items' chunks, which the prepared request scores in their place."""
 
     rows: list[int]
     request: dict[str, Any]
+    chunks: chunked.Chunks | None = None
 
 
 def score_rows(
@@ -107,8 +111,11 @@ def score_rows(
     # per row: (raw, scores, calibrated), [labels], [labels] and a float (None: not covered),
     # or [items, labels], [items, labels] and [items]
     per_row: list[Any] = [None] * n
-    for unit, result in zip(units, results, strict=True):
+    for unit, request, result in zip(units, prepared, results, strict=True):
         backends[result.backend] += len(result.logprobs)
+        if unit.chunks is not None:
+            _documents(unit, request, result, layout, per_row)
+            continue
         calibrated = result.calibrated
         if layout.shape == PAIRS:
             for k, row in enumerate(unit.rows):
@@ -124,6 +131,25 @@ def score_rows(
     return Scored(pa.table(columns), failed, rejected, backends)
 
 
+def _documents(unit: _Unit, request, result, layout: Layout, per_row: list[Any]) -> None:
+    """A chunked unit's rows: per document the best chunk's scores (no calibrated one: a
+    chunk's is not its document's) and (aggregated score, best chunk, its start, its end),
+    as `Scorer.score(chunking=)` gives them."""
+    chunks = unit.chunks
+    relevance = result.label_probs[:, chunked.positive_label(request)].astype(np.float64)
+    documents = chunked.aggregate(chunks, relevance, layout.chunking)
+    first = np.searchsorted(chunks.document, np.arange(chunks.num_documents))
+    best = first + documents.best_chunk
+    spans = np.array(documents.best_span, np.int64).reshape(-1, 2)
+    own = (documents.scores, documents.best_chunk, spans[:, 0], spans[:, 1])
+    if layout.shape == PAIRS:
+        for d, row in enumerate(unit.rows):
+            values = tuple(v[d] for v in own)
+            per_row[row] = (result.logprobs[best[d]], result.label_probs[best[d]], None, values)
+    else:
+        per_row[unit.rows[0]] = (result.logprobs[best], result.label_probs[best], None, own)
+
+
 def check_options(scorer: Any, layout: Layout, backend: str | None = None) -> None:
     """Refuse the options the job sets for every row (its labels, suffix, truncation) and its
     backend (registered, able to run them) before a row is read or an output opened: a request
@@ -135,7 +161,9 @@ def check_options(scorer: Any, layout: Layout, backend: str | None = None) -> No
     own_labels = {"label_token_ids": [0]} if layout.label_names is None else {}
     request = {"query": [], "items": [], **own_labels, **layout.options}
     try:
-        scorer.prepare_request(request, backend=backend)
+        prepared = scorer.prepare_request(request, backend=backend)
+        if layout.chunking is not None and layout.label_names is not None:
+            chunked.positive_label(prepared)  # one job-wide label: no chunk could be ranked
     except ValidationError as e:
         raise JobConfigError(e.code, str(e), e.param) from None
 
@@ -218,7 +246,7 @@ def _prepare(
     an option the job set for every row is the job's (`JobConfigError`); a row's option that
     `backend` cannot run (an adapter) is the row's, as `score_batch` refuses it."""
     try:
-        return [(unit, scorer.prepare_request(unit.request, backend=backend))]
+        return [(unit, _prepared(scorer, unit, layout, backend))]
     except ValidationError as e:
         error = e
     if error.code in GROUP_TOO_LARGE and len(unit.rows) > 1:
@@ -243,7 +271,8 @@ def _prepare(
     good = []
     for k, item in enumerate(unit.request["items"]):
         try:
-            scorer.prepare_request({**unit.request, "items": [item]}, backend=backend)
+            _prepared(scorer, _Unit([unit.rows[k]], {**unit.request, "items": [item]}), layout,
+                      backend)  # fmt: skip
             good.append(k)
         except ValidationError as e:
             reject(unit.rows[k], e)
@@ -257,6 +286,31 @@ def _prepare(
     return _prepare(scorer, _Unit([unit.rows[k] for k in good], request), layout, reject, backend)
 
 
+def _prepared(scorer: Any, unit: _Unit, layout: Layout, backend: str | None):
+    """The unit's request prepared; with chunking, of its items' chunks (set on the unit), an
+    error about a chunk located at its document, as `Scorer.score(chunking=)` says it."""
+    if layout.chunking is None:
+        return scorer.prepare_request(unit.request, backend=backend)
+    cap = unit.request.get("max_item_tokens")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap < layout.chunking.window:
+        raise ValidationError(
+            "invalid_argument",
+            f"max_item_tokens={cap} would cut each chunk of chunking.window="
+            f"{layout.chunking.window} tokens",
+            "max_item_tokens",
+        )
+    chunks = chunked.split(
+        scorer.tokenizer, unit.request["items"], layout.chunking, limits=scorer.limits
+    )
+    try:
+        request = scorer.prepare_request({**unit.request, "items": chunks.items}, backend=backend)
+        chunked.positive_label(request)  # a causal LM's chunk needs two labels, as rank's item does
+    except ValidationError as e:
+        raise chunked.located(e, chunks) from None
+    unit.chunks = chunks
+    return request
+
+
 def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
     """Per-row (raw, scores) values (None for a failed row) as the output's score columns:
     `ScoreResult.logprobs` (log-probabilities, or a classification head's logits) and
@@ -267,7 +321,7 @@ def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
         for part, kind in enumerate(layout.kinds):
             values = [None if x is None else x[part] for x in per_row]
             columns[f"{kind}s"] = _lists(values, layout.shape)
-        return _with_calibrated(columns, layout, per_row)
+        return _with_chunks(_with_calibrated(columns, layout, per_row), layout, per_row)
     labels = len(layout.label_names)
     ok = np.array([x is not None for x in per_row], bool)
     for part, kind in enumerate(layout.kinds):
@@ -281,7 +335,24 @@ def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:
         for j, name in enumerate(layout.label_names):
             column = [None if x is None else np.asarray(x[part][:, j], np.float32) for x in per_row]
             columns[f"{kind}_{name}"] = pa.array(column, type=pa.list_(pa.float32()))
-    return _with_calibrated(columns, layout, per_row)
+    return _with_chunks(_with_calibrated(columns, layout, per_row), layout, per_row)
+
+
+def _with_chunks(
+    columns: dict[str, pa.Array], layout: Layout, per_row: list[Any]
+) -> dict[str, pa.Array]:
+    """`columns` and, with chunking, each document's CHUNK_COLUMNS (null for a failed row)."""
+    if layout.chunking is None:
+        return columns
+    schema = layout.score_schema()
+    for part, name in enumerate(CHUNK_COLUMNS):
+        found = [None if x is None else x[3][part] for x in per_row]
+        if layout.shape == REQUESTS:
+            found = [None if v is None else np.asarray(v).tolist() for v in found]
+        else:
+            found = [None if v is None else v.item() for v in found]
+        columns[name] = pa.array(found, schema.field(name).type)
+    return columns
 
 
 def _with_calibrated(

@@ -12,6 +12,7 @@ import attrs
 import pyarrow as pa
 
 from tpuscore.api import templates
+from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 
 # Score options a row may carry in a column of the same name, where the job does not set them
@@ -22,6 +23,14 @@ PAIRS, REQUESTS = "pairs", "requests"
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
 CALIBRATED = "calibrated"
+# A chunked document's own columns (docs/jobs.md#long-documents): its aggregated score, its best
+# chunk (an index among its chunks) and that chunk's [start, end) tokens.
+CHUNK_COLUMNS = {
+    "chunk_score": pa.float32(),
+    "best_chunk": pa.int32(),
+    "chunk_start": pa.int32(),
+    "chunk_end": pa.int32(),
+}
 
 
 class JobConfigError(ValidationError):
@@ -67,6 +76,16 @@ def _id_columns(value: Any) -> tuple[str, ...]:
     return _optional_tuple(value, "id_columns") or ()
 
 
+def _chunking(value: Any) -> Chunking | None:
+    """A `Chunking` from itself or a mapping of its fields (a bad one: `JobConfigError`)."""
+    if value is None:
+        return None
+    try:
+        return Chunking.of(value)
+    except ValidationError as e:
+        raise JobConfigError(e.code, str(e), e.param) from None
+
+
 @attrs.frozen(kw_only=True)
 class Spec:
     """What to score in a table, and how: the columns, the labels and the score options.
@@ -83,6 +102,9 @@ class Spec:
         instruction: the template's instruction (default the template's own).
         item_suffix, max_item_tokens, truncate, item_first: as `Scorer.score` takes them, for
             every row (None: a row's own column of that name, or the default).
+        chunking: each item a document, scored by its chunks as `Scorer.score(chunking=)`
+            scores it (a `Chunking` or a mapping of its fields; docs/chunking.md): the score
+            columns hold the best chunk's scores, and four more columns the document's.
     """
 
     query_column: str = "query"
@@ -96,6 +118,7 @@ class Spec:
     max_item_tokens: int | None = None
     truncate: str | None = None
     item_first: bool = False
+    chunking: Chunking | None = attrs.field(default=None, converter=_chunking)
 
     def options(self, classification: bool = False) -> dict[str, Any]:
         """The score options the job sets for every row (`classification`: for a model that
@@ -139,6 +162,14 @@ class Spec:
                 options[name] = getattr(self, name)
         if self.item_first:
             options["item_first"] = True
+        cap = self.max_item_tokens
+        if self.chunking is not None and isinstance(cap, int) and cap < self.chunking.window:
+            raise JobConfigError(
+                "invalid_argument",
+                f"max_item_tokens={cap} would cut each chunk of chunking.window="
+                f"{self.chunking.window} tokens: set the window instead",
+                "max_item_tokens",
+            )
         return options
 
     def item_column_of(self, names: Sequence[str]) -> str:
@@ -205,7 +236,9 @@ class Spec:
             classification=classification,
             template=self.template,
             instruction=self.instruction,
-            calibrated=calibrated,
+            # A chunk's calibrated probability is not its document's: none is written.
+            calibrated=calibrated and self.chunking is None,
+            chunking=self.chunking,
         )
         _refuse_collisions(layout)
         return layout
@@ -276,6 +309,7 @@ class Layout:
     instruction: str | None
     classification: bool = False
     calibrated: bool = False  # a `calibrated` column after the scores
+    chunking: Chunking | None = None  # items are documents: CHUNK_COLUMNS after the scores
 
     @property
     def kinds(self) -> tuple[str, str]:
@@ -295,14 +329,21 @@ class Layout:
             columns = [f"{kind}s" for kind in self.kinds]
         else:
             columns = [f"{kind}_{name}" for kind in self.kinds for name in self.label_names]
-        return [*columns, CALIBRATED] if self.calibrated else columns
+        if self.calibrated:
+            columns.append(CALIBRATED)
+        return [*columns, *CHUNK_COLUMNS] if self.chunking is not None else columns
 
     def score_schema(self) -> pa.Schema:
         """The score columns' names and types: float32 per (pair row, label), a list of them
         per item for request rows, and one more list level for labels per row; `calibrated`
-        is one float32 per item (pair row), a list of them per request row."""
-        per_item = pa.list_(pa.float32()) if self.shape == REQUESTS else pa.float32()
-        t = per_item if self.label_names is not None else pa.list_(per_item)
-        return pa.schema(
-            [(name, per_item if name == CALIBRATED else t) for name in self.score_columns()]
-        )
+        and `chunk_score` are one float32 per item (pair row), a list of them per request row,
+        and the best chunk's index and span int32 alike."""
+        many = self.shape == REQUESTS
+
+        def per_item(t: pa.DataType) -> pa.DataType:
+            return pa.list_(t) if many else t
+
+        scores = per_item(pa.float32())
+        types = {CALIBRATED: scores, **{c: per_item(t) for c, t in CHUNK_COLUMNS.items()}}
+        t = scores if self.label_names is not None else pa.list_(scores)
+        return pa.schema([(name, types.get(name, t)) for name in self.score_columns()])

@@ -166,7 +166,7 @@ def aggregate(
     )
 
 
-def _positive(request: ScoreRequest, positive: Any) -> int:
+def positive_label(request: ScoreRequest, positive: Any = None) -> int:
     """The positive label's index, checked as `rank` checks it (at least two labels)."""
     num_labels = len(request.label_ids)
     return ranking._check_rank(num_labels, positive, None, request.classification)[0]
@@ -194,7 +194,7 @@ def score(
         raise located(e, chunks) from None
     # A chunk's score is rank's: the positive label's probability within the labels (a
     # classification model's class probability).
-    positive = _positive(request, positive)
+    positive = positive_label(request, positive)
     result = engine.run([request], backend=backend)[0]
     relevance = result.label_probs[:, positive].astype(np.float64)
     return aggregate(chunks, relevance, chunking, result)
