@@ -121,3 +121,22 @@ def test_chunking_settings_are_checked_and_a_resume_under_others_is_refused(scor
     score_table(tmp_path / "in.parquet", tmp_path / "out", chunking=CHUNKING, **run)
     with pytest.raises(ResumeRefused):
         score_table(tmp_path / "in.parquet", tmp_path / "out", chunking={"window": 5}, **run)
+
+
+def test_a_template_renders_each_chunk_as_rank_does(checkpoint_dir, rng, tmp_path):
+    """Under a template each chunk is rendered as a document (not the document once, cut
+    through its rendering): a classifier's rows hold `Scorer.rank(template=, chunking=)`'s."""
+    scorer = load_scorer(checkpoint_dir("qwen2_seq_cls"), dtype="float32")
+    queries = [_text(rng, 2, 5) for _ in range(3)]
+    documents = [_text(rng, 6, 14) for _ in range(3)]
+    pq.write_table(pa.table({"query": queries, "item": documents}), tmp_path / "in.parquet")
+    score_table(tmp_path / "in.parquet", tmp_path / "out", scorer=scorer, template="plain",
+                chunking=CHUNKING)  # fmt: skip
+    out = read_output(tmp_path / "out").sort_by("row").to_pylist()
+    for row, query, document in zip(out, queries, documents, strict=True):
+        (ranked,) = scorer.rank(query, [document], template="plain", chunking=CHUNKING)
+        assert row["chunk_score"] == pytest.approx(ranked.score, abs=1e-5)
+        assert (row["best_chunk"], (row["chunk_start"], row["chunk_end"])) == (
+            ranked.best_chunk,
+            ranked.best_span,
+        )

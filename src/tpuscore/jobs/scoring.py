@@ -196,10 +196,12 @@ def _units(layout: Layout, batch, reject) -> list[_Unit]:
         opts = {name: values[r] for name, values in own.items() if values[r] is not None}
         if tmpl is not None:
             try:
-                queries[r], items[r] = _render(tmpl, layout, queries[r], items[r])
+                queries[r], rendered = _render(tmpl, layout, queries[r], items[r])
             except ValidationError as e:
                 reject(r, e)
                 continue
+            if layout.chunking is None:  # else each chunk is rendered, not the document
+                items[r] = rendered
         rows.append(r)
         options.append(opts)
     if layout.shape == REQUESTS:
@@ -302,8 +304,11 @@ def _prepared(scorer: Any, unit: _Unit, layout: Layout, backend: str | None):
     chunks = chunked.split(
         scorer.tokenizer, unit.request["items"], layout.chunking, limits=scorer.limits
     )
+    items = chunks.items
+    if layout.template is not None:  # as Scorer.rank renders each chunk as a document
+        items = [templates.get(layout.template).render_item(c) for c in items]
     try:
-        request = scorer.prepare_request({**unit.request, "items": chunks.items}, backend=backend)
+        request = scorer.prepare_request({**unit.request, "items": items}, backend=backend)
         chunked.positive_label(request)  # a causal LM's chunk needs two labels, as rank's item does
     except ValidationError as e:
         raise chunked.located(e, chunks) from None
