@@ -54,7 +54,8 @@ SCORE_BAD = [
     ("invalid_query", "query", [1.5], [[1]], LABELS, LM),
     ("invalid_query", "query", [True], [[1]], LABELS, LM),
     ("invalid_items", "items", [1], "abc", LABELS, LM),
-    ("invalid_items", "items", [1], np.ones((2, 2), np.int32), LABELS, LM),
+    ("invalid_items", "items", [1], np.ones((2, 2, 2), np.int32), LABELS, LM),  # 2-d: rows
+    ("invalid_items", "items", [1], np.ones(3, np.int32), LABELS, LM),  # one item's ids
     ("invalid_items", "items", [1], 5, LABELS, LM),
     ("invalid_items", "items", [1], [[1], None], LABELS, LM),
     ("invalid_items", "items", [1], [{"a": 1}], LABELS, LM),

@@ -83,6 +83,19 @@ class Chunking:
             raise _invalid("window", "is required")
         return cls(**value)
 
+    def check_cap(self, max_item_tokens: Any) -> None:
+        """Refuse a max_item_tokens below the window: it would cut every chunk while the
+        chunk's span still named the whole window (tokens never scored)."""
+        cap = max_item_tokens
+        if isinstance(cap, Integral) and not isinstance(cap, bool) and cap < self.window:
+            raise ValidationError(
+                "invalid_argument",
+                f"max_item_tokens={cap} would cut each chunk of chunking.window={self.window} "
+                f"tokens (the chunk's span would name tokens never scored): set chunking.window="
+                f"{cap} instead",
+                "max_item_tokens",
+            )
+
     def spans(self, num_tokens: int) -> list[tuple[int, int]]:
         """[start, end) token spans of a document of num_tokens tokens, in order."""
         stride = self.stride or self.window

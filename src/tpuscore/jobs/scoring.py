@@ -293,14 +293,7 @@ def _prepared(scorer: Any, unit: _Unit, layout: Layout, backend: str | None):
     error about a chunk located at its document, as `Scorer.score(chunking=)` says it."""
     if layout.chunking is None:
         return scorer.prepare_request(unit.request, backend=backend)
-    cap = unit.request.get("max_item_tokens")
-    if isinstance(cap, int) and not isinstance(cap, bool) and cap < layout.chunking.window:
-        raise ValidationError(
-            "invalid_argument",
-            f"max_item_tokens={cap} would cut each chunk of chunking.window="
-            f"{layout.chunking.window} tokens",
-            "max_item_tokens",
-        )
+    layout.chunking.check_cap(unit.request.get("max_item_tokens"))
     chunks = chunked.split(
         scorer.tokenizer, unit.request["items"], layout.chunking, limits=scorer.limits
     )

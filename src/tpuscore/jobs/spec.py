@@ -162,14 +162,11 @@ class Spec:
                 options[name] = getattr(self, name)
         if self.item_first:
             options["item_first"] = True
-        cap = self.max_item_tokens
-        if self.chunking is not None and isinstance(cap, int) and cap < self.chunking.window:
-            raise JobConfigError(
-                "invalid_argument",
-                f"max_item_tokens={cap} would cut each chunk of chunking.window="
-                f"{self.chunking.window} tokens: set the window instead",
-                "max_item_tokens",
-            )
+        if self.chunking is not None:
+            try:
+                self.chunking.check_cap(self.max_item_tokens)
+            except ValidationError as e:
+                raise JobConfigError(e.code, str(e), e.param) from None
         return options
 
     def item_column_of(self, names: Sequence[str]) -> str:

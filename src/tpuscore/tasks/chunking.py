@@ -96,19 +96,10 @@ def split(
 
 
 def _plan(chunking: Any, options: ScoreOptions) -> Chunking:
-    """The request's `Chunking`; a max_item_tokens below its window is refused: it would cut
-    every chunk while the chunk's span still named the whole window."""
+    """The request's `Chunking`, its max_item_tokens checked against the window."""
     plan = Chunking.of(chunking)
-    cap = options.max_item_tokens
-    check_truncation(cap, options.truncate)
-    if cap is not None and cap < plan.window:
-        raise ValidationError(
-            "invalid_argument",
-            f"max_item_tokens={cap} would cut each chunk of chunking.window={plan.window} "
-            f"tokens (the chunk's span would name tokens never scored): set chunking.window="
-            f"{cap} instead",
-            "max_item_tokens",
-        )
+    check_truncation(options.max_item_tokens, options.truncate)
+    plan.check_cap(options.max_item_tokens)
     return plan
 
 
