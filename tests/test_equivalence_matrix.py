@@ -319,9 +319,9 @@ RAY_CASE_MODES = [
 
 def ray_params():
     # Each case starts a Ray Data pipeline whose worker loads and compiles (~9 s): CI crosses
-    # the door with a causal LM and the one-logit classifier (softmax of one class); the
-    # three-class case runs with the slow tests.
-    slow = {(THREE_CLASSES, "batch_invariant")}
+    # the door with a causal LM; the classifiers run with the slow tests (test_jobs_scores
+    # checks ScoreRows, the function each worker runs, on both in every CI run).
+    slow = {(ONE_LOGIT, "default"), (THREE_CLASSES, "batch_invariant")}
     return [
         pytest.param(c, m, id=f"{c}-{m}", marks=[pytest.mark.slow] if (c, m) in slow else [])
         for c, m in RAY_CASE_MODES
