@@ -23,7 +23,6 @@ SOURCE_TREE = {"PYTHONPATH": "src"}
 UNIT = "tests/unit"  # the compile-free test floor (tests/unit/conftest.py)
 # CI's selection; a later `-m` in the session's arguments replaces it (pytest keeps the last).
 NOT_SLOW = ["-m", "not slow"]
-NO_COMPILE = "--no-compile"
 NO_TPU = "no TPU is present on this machine: nox -s tpu_tests runs only on a TPU host"
 
 
@@ -44,13 +43,9 @@ def tests(session: nox.Session) -> None:
     every parametrized case. Arguments after `--` go to both pytest runs, after ours: `-- -m ""`
     runs every test, `-- -m slow` the slow ones, `-- -m "not slow and not extra_case"` is the
     quick loop."""
-    # Not byte-compiled at install (pip compiles every module: ~45 s of CI's 2 cores, most of
-    # it torch's and ray's, which the tests import a fraction of); the tests write the .pyc of
-    # what they import instead, once, where an environment had turned that off.
-    session.install(NO_COMPILE, TORCH)
-    session.install(NO_COMPILE, ".[dev]")
-    session.install(NO_COMPILE, *DEFAULT_MODEL)
-    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty is unset, for Python
+    session.install(TORCH)
+    session.install(".[dev]")
+    session.install(*DEFAULT_MODEL)
     session.run("lint-imports", env=SOURCE_TREE)
     # The compile-free floor first, in one process: it fails in seconds what it can catch
     # (without the plugins only the server's tests use, a second of startup). Exit code 5 (no
