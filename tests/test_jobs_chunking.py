@@ -3,6 +3,8 @@ request row) scored by its chunks, the row holding its best chunk's scores and t
 aggregated score, best chunk and span, as `Scorer.score(chunking=)` gives them for the row alone;
 Ray Data writes the same through the same `score_rows`."""
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -121,6 +123,13 @@ def test_chunking_settings_are_checked_and_a_resume_under_others_is_refused(scor
     score_table(tmp_path / "in.parquet", tmp_path / "out", chunking=CHUNKING, **run)
     with pytest.raises(ResumeRefused):
         score_table(tmp_path / "in.parquet", tmp_path / "out", chunking={"window": 5}, **run)
+    with pytest.raises(ResumeRefused):
+        score_table(tmp_path / "in.parquet", tmp_path / "out", **run)
+    # A job without chunking records its spec as versions before chunking did, so an output
+    # they started resumes.
+    score_table(tmp_path / "in.parquet", tmp_path / "plain", **run)
+    manifest = json.loads((tmp_path / "plain.manifest.json").read_text())
+    assert "chunking" not in manifest["settings"]["spec"]
 
 
 def test_a_template_renders_each_chunk_as_rank_does(checkpoint_dir, rng, tmp_path):

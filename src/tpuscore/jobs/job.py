@@ -218,7 +218,8 @@ def score_table(
             "input_format": table.format,
             "output_format": out_format,
             "shard_rows": shard_rows,
-            "spec": attrs.asdict(spec),
+            # Without chunking, the spec as versions before it wrote it: their outputs resume.
+            "spec": attrs.asdict(spec, filter=lambda a, v: a.name != "chunking" or v is not None),
             "output_schema": schemas.encode(_output_schema(table.schema, layout)),
             "model": fingerprints.of_model(scorer),
             "backend": backend,

@@ -23,7 +23,7 @@ PAIRS, REQUESTS = "pairs", "requests"
 # The column of calibrated P(positive) per item, as `ScoreResult.calibrated` and /v1/score's
 # `calibrated` carry it (docs/calibration.md): null where the calibration does not cover a row.
 CALIBRATED = "calibrated"
-# A chunked document's own columns (docs/jobs.md#long-documents): its aggregated score, its best
+# A chunked document's own columns (docs/jobs.md, "Long documents"): its aggregated score, its best
 # chunk (an index among its chunks) and that chunk's [start, end) tokens.
 CHUNK_COLUMNS = {
     "chunk_score": pa.float32(),
