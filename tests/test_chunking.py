@@ -135,6 +135,46 @@ def test_every_chunk_is_an_item_of_one_request(scorer, rng, monkeypatch):
     assert len(calls[0][0].items) == len(result.document) > 2 * len(docs)
 
 
+def test_score_batch_takes_chunking_per_request_and_runs_them_together(scorer, rng, monkeypatch):
+    """A `score_batch` request with `chunking` gets `score(chunking=)`'s result, one without
+    gets `score`'s, in one engine run; an error in a chunk names its request and document."""
+    docs = documents(rng, 2, 8, 30)
+    options = {"window": 6, "stride": 4, "aggregate": "mean"}
+    requests = [
+        {"query": "a fox?", "items": docs, "labels": LABELS, "chunking": options},
+        {"query": "salt", "items": docs[:1], "labels": LABELS},
+        {"query": "the moon", "items": docs[::-1], "labels": LABELS, "chunking": None},
+    ]
+    runs = []
+    run = scorer.engine.run
+    monkeypatch.setattr(
+        scorer.engine, "run", lambda requests, **kw: runs.append(requests) or run(requests, **kw)
+    )
+    chunked_result, plain, unchunked = scorer.score_batch(requests)
+    assert len(runs) == 1 and len(runs[0]) == 3
+    monkeypatch.undo()
+    alone = scorer.score("a fox?", docs, labels=LABELS, chunking=options)
+    np.testing.assert_allclose(chunked_result.scores, alone.scores, rtol=1e-5, atol=1e-6)
+    assert chunked_result.best_chunk.tolist() == alone.best_chunk.tolist()
+    assert chunked_result.best_span == alone.best_span
+    for got, request in ((plain, requests[1]), (unchunked, requests[2])):
+        expected = scorer.score(request["query"], request["items"], labels=LABELS)
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, rtol=1e-5, atol=1e-5)
+    vocab = scorer.config.vocab_size
+    bad = {"query": [9], "items": [[1, 2], [4, 5, 6, vocab]], "label_token_ids": [3, 4],
+           "chunking": {"window": 2}}  # fmt: skip
+    with pytest.raises(ValidationError) as e:
+        scorer.score_batch([requests[1], bad])
+    assert e.value.request_index == 1 and "chunk 1, tokens [2, 4] of items[1]" in str(e.value)
+    bad_window = {**requests[0], "chunking": {"window": 0}}
+    with pytest.raises(ValidationError) as e:
+        scorer.score_batch([requests[1], bad_window])
+    assert e.value.code == "invalid_chunking"
+    assert e.value.loc == ("requests", 1, "chunking", "window")
+    checked = scorer.validate_batch([requests[0], bad_window, bad])
+    assert checked[0] is None and [e.request_index for e in checked[1:]] == [1, 2]
+
+
 def test_an_error_in_a_chunk_names_its_document(scorer, rng):
     vocab = scorer.config.vocab_size
     docs = [[1, 2, 3], [4, 5, 6, 7, 8, vocab + 5]]  # the bad id is in chunk 1 of items[1]

@@ -100,9 +100,11 @@ class Scorer(EngineView):
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         show_progress: bool = False,
-    ) -> list[ScoreResult]:  # fmt: skip
-        """One result per request (a mapping of `score`'s arguments), all checked first."""
-        return self.engine.score_batch(requests, backend, show_progress)
+    ) -> list[ScoreResult | ChunkedResult]:  # fmt: skip
+        """One result per request (a mapping of `score`'s arguments, `chunking` too), all
+        checked first, run together."""
+        return chunked.score_batch(self.engine, requests, backend=backend,
+                                   show_progress=show_progress)  # fmt: skip
 
     def prepare_request(self, request: Mapping[str, Any], *, backend: str | None = None
                         ) -> ScoreRequest:  # fmt: skip
@@ -119,7 +121,7 @@ class Scorer(EngineView):
     def validate_batch(self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
                        ) -> list[ValidationError | None]:  # fmt: skip
         """Per request, its located ValidationError or None if `score_batch` takes it."""
-        return self.engine.validate_batch(requests, backend)
+        return chunked.validate_batch(self.engine, requests, backend)
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,

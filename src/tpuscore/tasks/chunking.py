@@ -13,7 +13,7 @@ to the chunk before. A token-id document is cut as it is.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,6 +26,7 @@ from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import RequestLimits, ScoreOptions, ScoreRequest
 from tpuscore.api.results import ScoreResult
+from tpuscore.engine import progress
 from tpuscore.engine.runner import Engine
 from tpuscore.tasks import ranking
 
@@ -189,6 +190,87 @@ def score(
     result = engine.run([request], backend=backend)[0]
     relevance = result.label_probs[:, positive].astype(np.float64)
     return aggregate(chunks, relevance, chunking, result)
+
+
+@attrs.frozen
+class _ChunkedRequest:
+    """A `score_batch` request with `chunking`: its chunks' prepared request, and how to read
+    the result back as its documents'."""
+
+    request: ScoreRequest
+    chunks: Chunks
+    chunking: Chunking
+    positive: int
+
+
+def score_batch(
+    engine: Engine, requests: Any, *, backend: str | None = None, show_progress: bool = False
+) -> list[ScoreResult | ChunkedResult]:
+    """`Scorer.score_batch`: one result per request, all checked first and run together; a
+    request with `chunking` scores its items as documents by their chunks, as `score(chunking=)`
+    does (its result a `ChunkedResult`), its chunks items of the same run as every request's."""
+    listed_requests = validation.request_list(requests)
+    if not any(isinstance(r, Mapping) and "chunking" in r for r in listed_requests):
+        return engine.score_batch(listed_requests, backend, show_progress)
+    prepared = _prepare_batch(engine, listed_requests, backend, errors="raise")
+    runs = [p.request if isinstance(p, _ChunkedRequest) else p for p in prepared]
+    with progress.bar(len(runs), "request", enabled=show_progress) as advance:
+        results = engine.run(runs, backend=backend, on_progress=advance)
+    return [
+        result
+        if not isinstance(p, _ChunkedRequest)
+        else aggregate(
+            p.chunks, result.label_probs[:, p.positive].astype(np.float64), p.chunking, result
+        )
+        for p, result in zip(prepared, results, strict=True)
+    ]
+
+
+def validate_batch(
+    engine: Engine, requests: Any, backend: str | None = None
+) -> list[ValidationError | None]:
+    """`Scorer.validate_batch`: per request, its located error, or None where `score_batch`
+    takes it (`chunking` included)."""
+    prepared = _prepare_batch(engine, validation.request_list(requests), backend, "return")
+    return [p if isinstance(p, ValidationError) else None for p in prepared]
+
+
+def _prepare_batch(
+    engine: Engine, requests: list[Any], backend: str | None, errors: str
+) -> list[Any]:
+    """Each request prepared (its chunks where it has `chunking`), an error located at
+    ("requests", i, ...): raised (errors="raise") or in the request's place ("return")."""
+    prepared: list[Any] = []
+    for i, request in enumerate(requests):
+        chunking = None
+        if isinstance(request, Mapping):
+            chunking = request.get("chunking")
+            request = {k: v for k, v in request.items() if k != "chunking"}  # noqa: PLW2901
+        try:
+            if chunking is None:
+                prepared.append(engine.prepare_request(request, backend))
+            else:
+                prepared.append(_prepare_chunked(engine, request, chunking, backend))
+        except ValidationError as e:
+            if errors == "raise":
+                raise e.at("requests", i) from None
+            prepared.append(e.at("requests", i))
+    return prepared
+
+
+def _prepare_chunked(
+    engine: Engine, request: Mapping[str, Any], chunking: Any, backend: str | None
+) -> _ChunkedRequest:
+    """A request's chunks prepared as `score(chunking=)` prepares them."""
+    query, items, options = validation.request_arguments(request)
+    plan = _plan(chunking, options)
+    validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
+    chunks = split(engine.tokenizer, items, plan, limits=engine.limits)
+    try:
+        prepared = engine.prepare_request({**request, "items": chunks.items}, backend)
+    except ValidationError as e:
+        raise located(e, chunks) from None
+    return _ChunkedRequest(prepared, chunks, plan, positive_label(prepared))
 
 
 def score_items(
