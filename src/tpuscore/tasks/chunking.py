@@ -13,7 +13,7 @@ to the chunk before. A token-id document is cut as it is.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -177,30 +177,28 @@ def score(
     """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
     carries `calibrated` per chunk under the engine's calibration (as an item's would; the
     documents' aggregated scores are not calibrated)."""
-    chunking = _plan(chunking, options)
-    validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
-    chunks = split(engine.tokenizer, items, chunking, limits=engine.limits)
-    try:
-        request = engine.prepare(query, chunks.items, options)
-    except ValidationError as e:
-        raise located(e, chunks) from None
-    # A chunk's score is rank's: the positive label's probability within the labels (a
-    # classification model's class probability).
-    positive = positive_label(request, positive)
-    result = engine.run([request], backend=backend)[0]
-    relevance = result.label_probs[:, positive].astype(np.float64)
-    return aggregate(chunks, relevance, chunking, result)
+    prepared = _chunked_request(
+        engine, query, items, chunking, options,
+        lambda chunk_items: engine.prepare(query, chunk_items, options), positive,
+    )  # fmt: skip
+    return prepared.documents(engine.run([prepared.request], backend=backend)[0])
 
 
 @attrs.frozen
 class _ChunkedRequest:
-    """A `score_batch` request with `chunking`: its chunks' prepared request, and how to read
-    the result back as its documents'."""
+    """A request whose items are its documents' chunks, prepared, and how to read its result
+    back as the documents'."""
 
     request: ScoreRequest
     chunks: Chunks
     chunking: Chunking
     positive: int
+
+    def documents(self, result: ScoreResult) -> ChunkedResult:
+        """The chunks' result as the documents': a chunk's score is rank's, the positive
+        label's probability within the labels (a classification model's class probability)."""
+        relevance = result.label_probs[:, self.positive].astype(np.float64)
+        return aggregate(self.chunks, relevance, self.chunking, result)
 
 
 def score_batch(
@@ -217,11 +215,7 @@ def score_batch(
     with progress.bar(len(runs), "request", enabled=show_progress) as advance:
         results = engine.run(runs, backend=backend, on_progress=advance)
     return [
-        result
-        if not isinstance(p, _ChunkedRequest)
-        else aggregate(
-            p.chunks, result.label_probs[:, p.positive].astype(np.float64), p.chunking, result
-        )
+        p.documents(result) if isinstance(p, _ChunkedRequest) else result
         for p, result in zip(prepared, results, strict=True)
     ]
 
@@ -261,16 +255,35 @@ def _prepare_batch(
 def _prepare_chunked(
     engine: Engine, request: Mapping[str, Any], chunking: Any, backend: str | None
 ) -> _ChunkedRequest:
-    """A request's chunks prepared as `score(chunking=)` prepares them."""
+    """A `score_batch` request's chunks prepared as `score(chunking=)` prepares them, and checked
+    for `backend` as any request of the batch is."""
     query, items, options = validation.request_arguments(request)
+    return _chunked_request(
+        engine, query, items, chunking, options,
+        lambda chunk_items: engine.prepare_request({**request, "items": chunk_items}, backend),
+    )  # fmt: skip
+
+
+def _chunked_request(
+    engine: Engine,
+    query: Any,
+    items: Any,
+    chunking: Any,
+    options: ScoreOptions,
+    prepare: Callable[[list[Any]], ScoreRequest],
+    positive: Any = None,
+) -> _ChunkedRequest:
+    """The documents' size checked before any is tokenized, their chunks cut (their count
+    checked before any is built) and prepared by `prepare` as the request's items, an error in
+    a chunk located at its document; at least two labels for a causal LM, as `rank` needs."""
     plan = _plan(chunking, options)
-    validation.check_request_size(query, items, options, engine.facts)  # before tokenizing
+    validation.check_request_size(query, items, options, engine.facts)
     chunks = split(engine.tokenizer, items, plan, limits=engine.limits)
     try:
-        prepared = engine.prepare_request({**request, "items": chunks.items}, backend)
+        request = prepare(chunks.items)
     except ValidationError as e:
         raise located(e, chunks) from None
-    return _ChunkedRequest(prepared, chunks, plan, positive_label(prepared))
+    return _ChunkedRequest(request, chunks, plan, positive_label(request, positive))
 
 
 def score_items(
