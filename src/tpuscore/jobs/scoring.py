@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 import pyarrow as pa
 
-from tpuscore.api import templates
+from tpuscore.api import templates, validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.jobs import values
 from tpuscore.jobs.grouping import freeze, group_rows
@@ -63,7 +63,7 @@ class _Unit:
 
     rows: list[int]
     request: dict[str, Any]
-    chunks: chunked.Chunks | None = None
+    chunks: chunked.ChunkedRequest | None = None
 
 
 def score_rows(
@@ -111,10 +111,10 @@ def score_rows(
     # per row: (raw, scores, calibrated), [labels], [labels] and a float (None: not covered),
     # or [items, labels], [items, labels] and [items]
     per_row: list[Any] = [None] * n
-    for unit, request, result in zip(units, prepared, results, strict=True):
+    for unit, result in zip(units, results, strict=True):
         backends[result.backend] += len(result.logprobs)
         if unit.chunks is not None:
-            _documents(unit, request, result, layout, per_row)
+            _documents(unit, result, layout, per_row)
             continue
         calibrated = result.calibrated
         if layout.shape == PAIRS:
@@ -131,13 +131,12 @@ def score_rows(
     return Scored(pa.table(columns), failed, rejected, backends)
 
 
-def _documents(unit: _Unit, request, result, layout: Layout, per_row: list[Any]) -> None:
+def _documents(unit: _Unit, result, layout: Layout, per_row: list[Any]) -> None:
     """A chunked unit's rows: per document the best chunk's scores (no calibrated one: a
     chunk's is not its document's) and (aggregated score, best chunk, its start, its end),
     as `Scorer.score(chunking=)` gives them."""
-    chunks = unit.chunks
-    relevance = result.label_probs[:, chunked.positive_label(request)].astype(np.float64)
-    documents = chunked.aggregate(chunks, relevance, layout.chunking)
+    documents = unit.chunks.documents(result)
+    chunks = unit.chunks.chunks
     first = np.searchsorted(chunks.document, np.arange(chunks.num_documents))
     best = first + documents.best_chunk
     spans = np.array(documents.best_span, np.int64).reshape(-1, 2)
@@ -289,24 +288,23 @@ def _prepare(
 
 
 def _prepared(scorer: Any, unit: _Unit, layout: Layout, backend: str | None):
-    """The unit's request prepared; with chunking, of its items' chunks (set on the unit), an
-    error about a chunk located at its document, as `Scorer.score(chunking=)` says it."""
+    """The unit's request prepared; with chunking, of its items' chunks as `Scorer.score(
+    chunking=)` prepares them (each rendered by the job's template as a document), kept on the
+    unit to read the result back."""
     if layout.chunking is None:
         return scorer.prepare_request(unit.request, backend=backend)
-    layout.chunking.check_cap(unit.request.get("max_item_tokens"))
-    chunks = chunked.split(
-        scorer.tokenizer, unit.request["items"], layout.chunking, limits=scorer.limits
+    render = templates.get(layout.template).render_item if layout.template else None
+
+    def prepare(chunk_items: list[Any]):
+        if render is not None:
+            chunk_items = [render(c) for c in chunk_items]
+        return scorer.prepare_request({**unit.request, "items": chunk_items}, backend=backend)
+
+    query, items, options = validation.request_arguments(unit.request)
+    unit.chunks = chunked.prepare_chunks(
+        scorer.engine, query, items, layout.chunking, options, prepare
     )
-    items = chunks.items
-    if layout.template is not None:  # as Scorer.rank renders each chunk as a document
-        items = [templates.get(layout.template).render_item(c) for c in items]
-    try:
-        request = scorer.prepare_request({**unit.request, "items": items}, backend=backend)
-        chunked.positive_label(request)  # a causal LM's chunk needs two labels, as rank's item does
-    except ValidationError as e:
-        raise chunked.located(e, chunks) from None
-    unit.chunks = chunks
-    return request
+    return unit.chunks.request
 
 
 def _score_columns(layout: Layout, per_row: list[Any]) -> dict[str, pa.Array]:

@@ -177,7 +177,7 @@ def score(
     """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
     carries `calibrated` per chunk under the engine's calibration (as an item's would; the
     documents' aggregated scores are not calibrated)."""
-    prepared = _chunked_request(
+    prepared = prepare_chunks(
         engine, query, items, chunking, options,
         lambda chunk_items: engine.prepare(query, chunk_items, options), positive,
     )  # fmt: skip
@@ -185,7 +185,7 @@ def score(
 
 
 @attrs.frozen
-class _ChunkedRequest:
+class ChunkedRequest:
     """A request whose items are its documents' chunks, prepared, and how to read its result
     back as the documents'."""
 
@@ -211,11 +211,11 @@ def score_batch(
     if not any(isinstance(r, Mapping) and "chunking" in r for r in listed_requests):
         return engine.score_batch(listed_requests, backend, show_progress)
     prepared = _prepare_batch(engine, listed_requests, backend, errors="raise")
-    runs = [p.request if isinstance(p, _ChunkedRequest) else p for p in prepared]
+    runs = [p.request if isinstance(p, ChunkedRequest) else p for p in prepared]
     with progress.bar(len(runs), "request", enabled=show_progress) as advance:
         results = engine.run(runs, backend=backend, on_progress=advance)
     return [
-        p.documents(result) if isinstance(p, _ChunkedRequest) else result
+        p.documents(result) if isinstance(p, ChunkedRequest) else result
         for p, result in zip(prepared, results, strict=True)
     ]
 
@@ -254,17 +254,17 @@ def _prepare_batch(
 
 def _prepare_chunked(
     engine: Engine, request: Mapping[str, Any], chunking: Any, backend: str | None
-) -> _ChunkedRequest:
+) -> ChunkedRequest:
     """A `score_batch` request's chunks prepared as `score(chunking=)` prepares them, and checked
     for `backend` as any request of the batch is."""
     query, items, options = validation.request_arguments(request)
-    return _chunked_request(
+    return prepare_chunks(
         engine, query, items, chunking, options,
         lambda chunk_items: engine.prepare_request({**request, "items": chunk_items}, backend),
     )  # fmt: skip
 
 
-def _chunked_request(
+def prepare_chunks(
     engine: Engine,
     query: Any,
     items: Any,
@@ -272,7 +272,7 @@ def _chunked_request(
     options: ScoreOptions,
     prepare: Callable[[list[Any]], ScoreRequest],
     positive: Any = None,
-) -> _ChunkedRequest:
+) -> ChunkedRequest:
     """The documents' size checked before any is tokenized, their chunks cut (their count
     checked before any is built) and prepared by `prepare` as the request's items, an error in
     a chunk located at its document; at least two labels for a causal LM, as `rank` needs."""
@@ -283,7 +283,7 @@ def _chunked_request(
         request = prepare(chunks.items)
     except ValidationError as e:
         raise located(e, chunks) from None
-    return _ChunkedRequest(request, chunks, plan, positive_label(request, positive))
+    return ChunkedRequest(request, chunks, plan, positive_label(request, positive))
 
 
 def score_items(
