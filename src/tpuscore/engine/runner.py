@@ -172,15 +172,18 @@ class Engine:
         requests: Sequence[Mapping[str, Any]],
         backend: str | None = None,
         errors: Literal["raise", "return"] = "raise",
-    ) -> list[ScoreRequest | ValidationError]:
+        prepare: Callable[[Any, str | None], Any] | None = None,
+    ) -> list[Any]:
         """Every request prepared, in order, each error located at ("requests", i, ...):
-        raised at the first (errors="raise"), or standing in its request's place ("return")."""
+        raised at the first (errors="raise"), or standing in its request's place ("return").
+        `prepare(request, backend)` prepares one (default `prepare_request`)."""
         if errors not in ("raise", "return"):
             raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
-        prepared: list[ScoreRequest | ValidationError] = []
+        prepare = self.prepare_request if prepare is None else prepare
+        prepared: list[Any] = []
         for i, request in enumerate(validation.request_list(requests)):
             try:
-                prepared.append(self.prepare_request(request, backend))
+                prepared.append(prepare(request, backend))
             except ValidationError as e:
                 if errors == "raise":
                     raise e.at("requests", i) from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -232,24 +233,17 @@ def validate_batch(
 def _prepare_batch(
     engine: Engine, requests: list[Any], backend: str | None, errors: str
 ) -> list[Any]:
-    """Each request prepared (its chunks where it has `chunking`), an error located at
-    ("requests", i, ...): raised (errors="raise") or in the request's place ("return")."""
-    prepared: list[Any] = []
-    for i, request in enumerate(requests):
-        chunking = None
-        if isinstance(request, Mapping):
-            chunking = request.get("chunking")
-            request = {k: v for k, v in request.items() if k != "chunking"}  # noqa: PLW2901
-        try:
-            if chunking is None:
-                prepared.append(engine.prepare_request(request, backend))
-            else:
-                prepared.append(_prepare_chunked(engine, request, chunking, backend))
-        except ValidationError as e:
-            if errors == "raise":
-                raise e.at("requests", i) from None
-            prepared.append(e.at("requests", i))
-    return prepared
+    """`Engine.prepare_batch` of the requests, one with `chunking` prepared as its chunks."""
+    return engine.prepare_batch(requests, backend, errors, prepare=partial(_prepare_one, engine))
+
+
+def _prepare_one(engine: Engine, request: Any, backend: str | None) -> Any:
+    if not isinstance(request, Mapping) or "chunking" not in request:
+        return engine.prepare_request(request, backend)
+    rest = {k: v for k, v in request.items() if k != "chunking"}
+    if request["chunking"] is None:
+        return engine.prepare_request(rest, backend)
+    return _prepare_chunked(engine, rest, request["chunking"], backend)
 
 
 def _prepare_chunked(
