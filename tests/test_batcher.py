@@ -9,6 +9,7 @@ import pytest
 
 from helpers import random_tokens
 from tpuscore import Batcher, Overloaded, ValidationError, backends
+from tpuscore.tasks.chunking import ChunkedResult
 
 CASE = "qwen3_qknorm"
 WAIT_S = 60  # a bound on waits that only a hang reaches
@@ -256,6 +257,63 @@ def test_max_batch_tokens_bounds_a_batch(scorer, rng):
             expected = scorer.score(**request)
             assert_as_alone(future.result(WAIT_S).logprobs, expected.logprobs)
     assert spy.runs == [1, 2, 2, 2], spy.runs
+
+
+def assert_documents_as_alone(batched, alone) -> None:
+    """A chunked result against its request scored alone: every chunk's scores within the
+    batch-composition bound, so the documents' aggregates too, and the same best chunks (the
+    tiny model's chunk scores differ by far more than that bound)."""
+    assert isinstance(batched, ChunkedResult)
+    assert_as_alone(batched.chunks.logprobs, alone.chunks.logprobs)
+    np.testing.assert_allclose(batched.scores, alone.scores, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(batched.best_chunk, alone.best_chunk)
+    assert batched.best_span == alone.best_span and batched.spans == alone.spans
+
+
+def test_a_chunked_request_gets_the_documents_result_whole_or_split_over_batches(scorer, rng):
+    """`chunking` through the Batcher: each chunked request's result is `score(chunking=)`'s,
+    whether it shares a run with other requests (threads and asyncio) or its chunks run over
+    several batches (past max_request_step_tokens); a bad chunking fails its caller at once."""
+    vocab = scorer.config.vocab_size
+    query = random_tokens(rng, 8, vocab)
+    chunked = [
+        {
+            "query": query if i else random_tokens(rng, 6, vocab),
+            "items": [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 30, size=4)],
+            "label_token_ids": [3, 5],
+            "chunking": {"window": 6, "stride": 4, "aggregate": aggregate},
+        }
+        for i, aggregate in enumerate(("max", "mean", "first"))
+    ]
+    chunked.append({**chunked[0], "query": "The quick brown fox", "labels": [" the", " a"],
+                    "items": ["jumps over the lazy dog", "sat"]})  # fmt: skip
+    del chunked[-1]["label_token_ids"]
+    plain = _requests(rng, scorer, 4, serial=False)[1:]  # its text request among them
+    alone = [scorer.score(**r) for r in chunked + plain]
+    spy = Spy(scorer, gate := threading.Event())
+    with Batcher(spy, max_wait_ms=20) as batcher:
+        first = batcher.submit(**plain[0])
+        assert spy.running.wait(WAIT_S)
+        futures = [first] + [batcher.submit(**r) for r in plain[1:] + chunked]
+        gate.set()
+        results = [f.result(WAIT_S) for f in futures]
+        with pytest.raises(ValidationError) as bad:
+            batcher.submit(**{**chunked[0], "chunking": {"window": 0}})
+        assert (bad.value.code, batcher.pending) == ("invalid_chunking", 0)
+    assert spy.runs == [1, 6], spy.runs  # the rest of them in one run
+    for result, expected in zip(results[3:], alone[:4], strict=True):
+        assert_documents_as_alone(result, expected)
+    _assert_sequential(results[:3], plain, alone[4:])
+
+    async def main(batcher):
+        return await asyncio.gather(*(batcher.score_async(**r) for r in chunked))
+
+    spy = Spy(scorer)
+    with Batcher(spy, max_wait_ms=0, max_request_step_tokens=40) as batcher:
+        results = asyncio.run(main(batcher))
+    assert sum(spy.runs) >= len(chunked) + 2  # chunks of a request in several batches
+    for result, expected in zip(results, alone[:4], strict=True):
+        assert_documents_as_alone(result, expected)
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,13 @@ def test_score_batch_takes_chunking_per_request_and_runs_them_together(scorer, r
     assert e.value.loc == ("requests", 1, "chunking", "window")
     checked = scorer.validate_batch([requests[0], bad_window, bad])
     assert checked[0] is None and [e.request_index for e in checked[1:]] == [1, 2]
+    # score's two halves take it too: prepare_request (or prepare_batch), then run
+    halves = scorer.run([scorer.prepare_request(r) for r in requests])
+    halves_batch = scorer.run(scorer.prepare_batch(requests))
+    for result in (halves[0], halves_batch[0]):
+        np.testing.assert_array_equal(result.scores, chunked_result.scores)
+    for got, expected in zip(halves[1:], (plain, unchunked), strict=True):
+        np.testing.assert_array_equal(got.logprobs, expected.logprobs)
 
 
 def test_an_error_in_a_chunk_names_its_document(scorer, rng):

@@ -26,7 +26,7 @@ from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 from tpuscore.tasks import chunking as chunked
 from tpuscore.tasks import loglikelihood, prompt_logprobs
-from tpuscore.tasks.chunking import ChunkedResult, RankedDocument
+from tpuscore.tasks.chunking import ChunkedRequest, ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.prompt_logprobs import PromptLogprobs
 from tpuscore.tasks.ranking import RankedItem
@@ -90,12 +90,13 @@ class Scorer(EngineView):
         return self.engine.prepare(query, items, options)
 
     def run(
-        self, requests: Sequence[ScoreRequest], *, backend: str | None = None,
+        self, requests: Sequence[ScoreRequest | ChunkedRequest], *, backend: str | None = None,
         on_progress: Callable[[int], None] | None = None,
-    ) -> list[ScoreResult]:  # fmt: skip
-        """Score prepared requests together (those sharing a query share its work); on_progress
-        gets the requests each backend call completes."""
-        return self.engine.run(requests, backend=backend, on_progress=on_progress)
+    ) -> list[ScoreResult | ChunkedResult]:  # fmt: skip
+        """Score prepared requests together (those sharing a query share its work), a chunked
+        one read back as its documents'; on_progress gets the requests each backend call
+        completes."""
+        return chunked.run(self.engine, requests, backend=backend, on_progress=on_progress)
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
@@ -107,16 +108,17 @@ class Scorer(EngineView):
                                    show_progress=show_progress)  # fmt: skip
 
     def prepare_request(self, request: Mapping[str, Any], *, backend: str | None = None
-                        ) -> ScoreRequest:  # fmt: skip
-        """One request as a mapping of `score`'s arguments, prepared for `run` on `backend`."""
-        return self.engine.prepare_request(request, backend)
+                        ) -> ScoreRequest | ChunkedRequest:  # fmt: skip
+        """One request as a mapping of `score`'s arguments (`chunking` too), prepared for `run`
+        on `backend`."""
+        return chunked.prepare_request(self.engine, request, backend)
 
     def prepare_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         errors: Literal["raise", "return"] = "raise",
-    ) -> list[ScoreRequest | ValidationError]:  # fmt: skip
+    ) -> list[ScoreRequest | ChunkedRequest | ValidationError]:  # fmt: skip
         """Every request prepared, in order; a bad one's located error raised, or in its place."""
-        return self.engine.prepare_batch(requests, backend, errors)
+        return chunked.prepare_batch(self.engine, requests, backend, errors)
 
     def validate_batch(self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
                        ) -> list[ValidationError | None]:  # fmt: skip

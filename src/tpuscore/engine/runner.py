@@ -41,7 +41,6 @@ from tpuscore.engine import (
     executables,
     memory_guard,
     planning,
-    progress,
     selection,
     shapes,
 )
@@ -233,16 +232,6 @@ class Engine:
                 on_progress(sum(len(g.members) for g in call.groups))
         self.executables.check()
         return calibration.attach(self.score_calibration, requests, results)
-
-    def score_batch(
-        self, requests: Sequence[Mapping[str, Any]], backend: str | None = None,
-        show_progress: bool = False,
-    ) -> list[ScoreResult]:  # fmt: skip
-        """`run` of every request (mappings of `prepare`'s arguments), all prepared first, with a
-        progress bar where asked."""
-        prepared = self.prepare_batch(requests, backend)
-        with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
-            return self.run(prepared, backend=backend, on_progress=advance)
 
     def plan(self, request: ScoreRequest) -> selection.Plan:
         """Every built-in backend's estimate for the request, and the pick "auto" would make

@@ -54,6 +54,9 @@ class Pending:
     deadline: float | None  # time.monotonic()
     estimate: int  # tokens reserved at admission, until the request is tokenized
     request: ScoreRequest | None = None
+    # The result its caller gets from the request's (a chunked request's documents' from its
+    # chunks'); None: the request's own.
+    finish: Callable[[ScoreResult], Any] | None = None
     enqueued: float = 0.0  # time.monotonic() when it (or its remainder) last joined the queue
     done_items: int = 0
     parts: list[ScoreResult] = dataclasses.field(default_factory=list)
@@ -162,7 +165,14 @@ class BatchQueue:
                 self._cond.notify_all()
                 return
         if self._settle(entry):  # before its caller wakes, so that it may submit at once
-            complete(entry.future, result=ScoreResult.concat(entry.parts))
+            try:
+                result = ScoreResult.concat(entry.parts)
+                if entry.finish is not None:
+                    result = entry.finish(result)
+            except Exception as error:  # its caller's, not the worker's: it serves on
+                complete(entry.future, error=error)
+                return
+            complete(entry.future, result=result)
 
     def _next_batch(self) -> list[tuple[Pending, ScoreRequest]] | None:
         """Wait for requests, then until the batch is full or its oldest has waited max_wait_ms

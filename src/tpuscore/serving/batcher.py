@@ -59,6 +59,7 @@ from tpuscore.serving.admission import (
 )
 from tpuscore.serving.batch_queue import BatchQueue, Pending, complete
 from tpuscore.serving.batch_queue import DeadlineExceeded as DeadlineExceeded
+from tpuscore.tasks.chunking import ChunkedRequest, ChunkedResult
 
 # Query plus item tokens per batch. 8192 holds about 20 requests of SGLang's benchmark geometry
 # (a 300-token query, 10 items of 10 tokens): enough to fill an accelerator step, while one batch
@@ -69,12 +70,13 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 
 class Scoring(Protocol):
     """What the Batcher needs of a `Scorer`: prepare a request given as a mapping of `score`'s
-    arguments, and run prepared requests together. Any object with these two calls will do (the
-    scheduling tests run a fake one that compiles nothing)."""
+    arguments (a `ChunkedRequest` where it has `chunking`: the Batcher runs its chunks and reads
+    them back as its documents'), and run prepared requests together. Any object with these two
+    calls will do (the scheduling tests run a fake one that compiles nothing)."""
 
     def prepare_request(
         self, request: Mapping[str, Any], *, backend: str | None = None
-    ) -> ScoreRequest: ...
+    ) -> ScoreRequest | ChunkedRequest: ...
 
     def run(
         self, requests: Sequence[ScoreRequest], *, backend: str | None = None
@@ -184,8 +186,12 @@ class Batcher(BatchQueue):
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, *, timeout_s: float | None = None, **score_kwargs: Any) -> Future[ScoreResult]:
-        """Admit a request (`scorer.score`'s keyword arguments), validate it and queue it.
+    def submit(
+        self, *, timeout_s: float | None = None, **score_kwargs: Any
+    ) -> Future[ScoreResult | ChunkedResult]:
+        """Admit a request (`scorer.score`'s keyword arguments, `chunking` too), validate it and
+        queue it. A chunked request's chunks are its items here (its batches, its share of a
+        batch) and its result is `score(chunking=)`'s `ChunkedResult`.
 
         Args:
             timeout_s: seconds from now until the request's deadline (default the batcher's
@@ -207,7 +213,9 @@ class Batcher(BatchQueue):
         self._prepare(entry, score_kwargs)
         return entry.future
 
-    def score(self, *, timeout_s: float | None = None, **score_kwargs: Any) -> ScoreResult:
+    def score(
+        self, *, timeout_s: float | None = None, **score_kwargs: Any
+    ) -> ScoreResult | ChunkedResult:
         """`scorer.score(**score_kwargs)`, sharing device steps with concurrent callers; blocks
         until the result is ready. Safe from any thread. Raises as `submit` does, or the error of
         the backend step that ran the request, or `DeadlineExceeded`."""
@@ -215,7 +223,7 @@ class Batcher(BatchQueue):
 
     async def score_async(
         self, *, timeout_s: float | None = None, **score_kwargs: Any
-    ) -> ScoreResult:
+    ) -> ScoreResult | ChunkedResult:
         """`score` for asyncio: admission runs in the event loop, tokenization in the batcher's
         tokenizer threads and scoring in its worker while the loop serves other tasks. Cancelling
         the awaiting task (a server does when its client disconnects) drops the request."""
@@ -337,7 +345,10 @@ class Batcher(BatchQueue):
         with self._lock:
             self._prepared(entry)
             if not entry.settled:
-                entry.request = request
+                if isinstance(request, ChunkedRequest):  # runs as its chunks, read back whole
+                    entry.request, entry.finish = request.request, request.documents
+                else:
+                    entry.request = request
                 self._enqueue(entry)
 
     def _prepared(self, entry: Pending) -> None:

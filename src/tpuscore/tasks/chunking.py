@@ -208,17 +208,9 @@ def score_batch(
     """`Scorer.score_batch`: one result per request, all checked first and run together; a
     request with `chunking` scores its items as documents by their chunks, as `score(chunking=)`
     does (its result a `ChunkedResult`), its chunks items of the same run as every request's."""
-    listed_requests = validation.request_list(requests)
-    if not any(isinstance(r, Mapping) and "chunking" in r for r in listed_requests):
-        return engine.score_batch(listed_requests, backend, show_progress)
-    prepared = _prepare_batch(engine, listed_requests, backend, errors="raise")
-    runs = [p.request if isinstance(p, ChunkedRequest) else p for p in prepared]
-    with progress.bar(len(runs), "request", enabled=show_progress) as advance:
-        results = engine.run(runs, backend=backend, on_progress=advance)
-    return [
-        p.documents(result) if isinstance(p, ChunkedRequest) else result
-        for p, result in zip(prepared, results, strict=True)
-    ]
+    prepared = prepare_batch(engine, requests, backend, "raise")
+    with progress.bar(len(prepared), "request", enabled=show_progress) as advance:
+        return run(engine, prepared, backend=backend, on_progress=advance)
 
 
 def validate_batch(
@@ -226,24 +218,49 @@ def validate_batch(
 ) -> list[ValidationError | None]:
     """`Scorer.validate_batch`: per request, its located error, or None where `score_batch`
     takes it (`chunking` included)."""
-    prepared = _prepare_batch(engine, validation.request_list(requests), backend, "return")
+    prepared = prepare_batch(engine, requests, backend, "return")
     return [p if isinstance(p, ValidationError) else None for p in prepared]
 
 
-def _prepare_batch(
-    engine: Engine, requests: list[Any], backend: str | None, errors: str
-) -> list[Any]:
-    """`Engine.prepare_batch` of the requests, one with `chunking` prepared as its chunks."""
-    return engine.prepare_batch(requests, backend, errors, prepare=partial(_prepare_one, engine))
+def prepare_batch(engine: Engine, requests: Any, backend: str | None, errors: str) -> list[Any]:
+    """`Scorer.prepare_batch`: `Engine.prepare_batch` of the requests, each by `prepare_request`."""
+    requests = validation.request_list(requests)
+    return engine.prepare_batch(requests, backend, errors, prepare=partial(prepare_request, engine))
 
 
-def _prepare_one(engine: Engine, request: Any, backend: str | None) -> Any:
+def prepare_request(
+    engine: Engine, request: Any, backend: str | None = None
+) -> ScoreRequest | ChunkedRequest:
+    """`Scorer.prepare_request`: one request (a mapping of `score`'s arguments) prepared, or
+    with `chunking` its chunks prepared as a `ChunkedRequest`, which `run` reads back as its
+    documents' `ChunkedResult`."""
     if not isinstance(request, Mapping) or "chunking" not in request:
         return engine.prepare_request(request, backend)
     rest = {k: v for k, v in request.items() if k != "chunking"}
     if request["chunking"] is None:
         return engine.prepare_request(rest, backend)
     return _prepare_chunked(engine, rest, request["chunking"], backend)
+
+
+def run(
+    engine: Engine,
+    prepared: Sequence[ScoreRequest | ChunkedRequest],
+    *,
+    backend: str | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> list[ScoreResult | ChunkedResult]:
+    """`Scorer.run`: the prepared requests in one `Engine.run`, a `ChunkedRequest` as its
+    chunks, read back as its documents'."""
+    if not isinstance(prepared, Sequence) or not any(
+        isinstance(p, ChunkedRequest) for p in prepared
+    ):
+        return engine.run(prepared, backend=backend, on_progress=on_progress)  # it checks them
+    runs = [p.request if isinstance(p, ChunkedRequest) else p for p in prepared]
+    results = engine.run(runs, backend=backend, on_progress=on_progress)
+    return [
+        p.documents(result) if isinstance(p, ChunkedRequest) else result
+        for p, result in zip(prepared, results, strict=True)
+    ]
 
 
 def _prepare_chunked(
