@@ -112,9 +112,10 @@ GROWTH_SCRIPT = textwrap.dedent(
     growth = []
     # The first run, of the most rows, compiles every shape the others meet (a shape first met
     # in a measured run adds its compile to that run's peak: 55 MiB in one CI run).
-    # Each count twice, its least growth kept: the allocator's variance only adds to a run's
-    # peak (0-40 MiB from run to run here), while rows a job held would add to every run's.
-    runs = [counts[-1], *counts, *counts]
+    # Each count three times, its least growth kept: the allocator's variance only adds to a
+    # run's peak (0-40 MiB from run to run here, most beside other work: twice was not enough
+    # there), while rows a job held would add to every run's.
+    runs = [counts[-1], *counts, *counts, *counts]
     for i, n in enumerate(runs):
         # Row groups of a fixed size: a reader holds one at a time, whatever the file holds.
         pq.write_table(table(n), f"{directory}/in{i}.parquet", row_group_size=2048)
