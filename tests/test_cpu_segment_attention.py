@@ -63,7 +63,13 @@ def random_case(rng, windowed: bool):
     return q, k, v, prefix_len, seg_start, window, scale
 
 
-@pytest.mark.parametrize("case", range(12))
+def random_cases(count: int, in_ci: int) -> list:
+    """Case numbers for a test on fresh random layouts: `in_ci` of them run in every run (each
+    run draws its own layouts, from its seed), the rest with the slow tests."""
+    return [c if c < in_ci else pytest.param(c, marks=pytest.mark.slow) for c in range(count)]
+
+
+@pytest.mark.parametrize("case", random_cases(12, in_ci=6))
 def test_it_equals_the_reference_on_random_layouts(case, rng):
     q, k, v, prefix_len, seg_start, window, scale = random_case(rng, windowed=bool(case % 2))
     got = kernel(q, k, v, prefix_len, seg_start, window, scale=scale)
@@ -90,7 +96,7 @@ def bf16_reference(q, k, v, prefix_len, seg_start, window, scale):
 
 
 @needs_bf16_dots
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", random_cases(8, in_ci=4))
 def test_its_bfloat16_dots_equal_bfloat16_arithmetic_on_random_layouts(case, rng):
     """bf16: q, k, v and the softmax's numerator rounded to bfloat16, float32 sums: as
     `bf16_reference`, the same for bfloat16 inputs, near the float32 kernel."""

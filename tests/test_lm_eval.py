@@ -48,68 +48,49 @@ def checkpoint(checkpoint_dir, tmp_path_factory):
     return path
 
 
-class Evaluations(dict):
-    """simple_evaluate's output per model, with per-request samples, each run when a test
-    first asks for it: `hf`, `tpuscore` in process, and `http` (the harness's
-    local-completions against the server). Run from the repository root: the task files name
-    their data relative to it."""
-
-    def __init__(self, checkpoint):
-        super().__init__()
-        self.checkpoint = checkpoint
-
-    def __missing__(self, name):
-        checkpoint, running = self.checkpoint, None
-        local = f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}"
-        model, args = (name, local) if name in ("hf", "tpuscore") else (None, None)
-        if name == "http":
-            running = ServerThread(
-                server.create_app(
-                    Scorer.from_pretrained(checkpoint, dtype="float32"), rerank_template=TEMPLATE
-                )
-            )
-            # The API model keeps max_length - 1 tokens for a generated one and rolls windows
-            # of max_length - 2: MAX_LENGTH + 2 gives the windows and cuts `hf` gets from
-            # MAX_LENGTH. add_bos_token: its Hugging Face tokenizer then adds the BOS, as
-            # `hf`'s does.
-            model, args = (
-                "local-completions",
-                (
-                    f"model=tiny,base_url={running.url}/v1/completions,tokenizer_backend=huggingface,"
-                    f"tokenizer={checkpoint},max_length={MAX_LENGTH + 2},add_bos_token=True,"
-                    "batch_size=8,tokenized_requests=True"
-                ),
-            )
-        cwd = os.getcwd()
-        os.chdir(ROOT)
-        try:
-            # The local tasks only: indexing the harness's built-in tasks too takes seconds.
-            manager = TaskManager(
-                include_path=str(ROOT / "tests/data/lm_eval"), include_defaults=False
-            )
-            self[name] = lm_eval.simple_evaluate(
-                model=model, model_args=args, tasks=TASKS, task_manager=manager, device="cpu",
-                log_samples=True,
-            )  # fmt: skip
-        finally:
-            os.chdir(cwd)
-            if running is not None:
-                running.stop()
-        return self[name]
-
-
 @pytest.fixture(scope="module")
 def evaluated(checkpoint):
-    return Evaluations(checkpoint)
+    """simple_evaluate's output per model, with per-request samples: `hf`, `tpuscore` in
+    process, and `http` (the harness's local-completions against the server). Run from the
+    repository root: the task files name their data relative to it."""
+    running = ServerThread(
+        server.create_app(
+            Scorer.from_pretrained(checkpoint, dtype="float32"), rerank_template=TEMPLATE
+        )
+    )
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        # The local tasks only: indexing the harness's built-in tasks too takes seconds.
+        manager = TaskManager(include_path=str(ROOT / "tests/data/lm_eval"), include_defaults=False)
+        local = f"pretrained={checkpoint},dtype=float32,max_length={MAX_LENGTH}"
+        # The API model keeps max_length - 1 tokens for a generated one and rolls windows of
+        # max_length - 2: MAX_LENGTH + 2 gives the windows and cuts `hf` gets from MAX_LENGTH.
+        # add_bos_token: its Hugging Face tokenizer then adds the BOS, as `hf`'s does.
+        api = (
+            f"model=tiny,base_url={running.url}/v1/completions,tokenizer_backend=huggingface,"
+            f"tokenizer={checkpoint},max_length={MAX_LENGTH + 2},add_bos_token=True,"
+            "batch_size=8,tokenized_requests=True"
+        )
+        models = {"hf": ("hf", local), "tpuscore": ("tpuscore", local)}
+        models["http"] = ("local-completions", api)
+        return {
+            name: lm_eval.simple_evaluate(
+                model=model,
+                model_args=args,
+                tasks=TASKS,
+                task_manager=manager,
+                device="cpu",
+                log_samples=True,
+            )
+            for name, (model, args) in models.items()
+        }
+    finally:
+        os.chdir(cwd)
+        running.stop()
 
 
-# The harness's API model against the server's /v1/completions runs with the slow tests (its
-# server compiles every prompt shape again: ~15 s); test_completions checks that endpoint
-# against the library in every run.
-MODELS = ["tpuscore", pytest.param("http", marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ["tpuscore", "http"])
 def test_identical_accuracy_and_perplexity(evaluated, model):
     hf, ours = (evaluated[m]["results"] for m in ("hf", model))
     assert hf["tpuscore_mc"]["sample_len"] == ours["tpuscore_mc"]["sample_len"] == 8
@@ -119,7 +100,7 @@ def test_identical_accuracy_and_perplexity(evaluated, model):
         assert ours["tpuscore_ppl"][metric] == pytest.approx(hf["tpuscore_ppl"][metric], rel=1e-5)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ["tpuscore", "http"])
 @pytest.mark.parametrize("task, requests", [("tpuscore_mc", 32), ("tpuscore_ppl", 4)])
 def test_every_request_within_1e_4(evaluated, model, task, requests):
     hf, ours = (evaluated[m]["samples"][task] for m in ("hf", model))

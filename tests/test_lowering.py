@@ -33,10 +33,11 @@ S = jax.ShapeDtypeStruct
 i32, f32 = jnp.int32, jnp.float32
 
 
-@pytest.fixture(params=["v5e", "v6e"])
+@pytest.fixture(scope="module", params=["v5e", "v6e"])
 def tpu_chip(request):
     """Lowering a Pallas TPU kernel asks for the chip's profile. Test only: register one under
-    this CPU's device kind, and remove it afterwards."""
+    this CPU's device kind, and remove it afterwards. Once per chip for the module: clearing
+    JAX's caches around every case took a third of these tests' time."""
     from jax._src.pallas.mosaic import tpu_info
 
     kind = jax.devices()[0].device_kind

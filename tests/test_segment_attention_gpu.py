@@ -72,7 +72,12 @@ def items_after_query(query_len: int, lens: np.ndarray, tile: int) -> np.ndarray
     return seg_start
 
 
-@pytest.mark.parametrize("query_len, window", [(203, None), (203, 150), (40, None)])
+# A query shorter than a tile (40) with the slow tests: each case runs the kernel in Triton's
+# interpreter here (~4 s), and the 203-token query's tiles include whole and partial ones.
+@pytest.mark.parametrize(
+    "query_len, window",
+    [(203, None), (203, 150), pytest.param(40, None, marks=pytest.mark.slow)],
+)
 def test_tiles_seen_whole_skip_the_mask_and_change_nothing(rng, query_len, window):
     """A long query's interior tiles run unmasked (`mask_every_tile=False`): the reference's
     numbers, and masking every tile's to float32 rounding (the same tiles in the same order)."""
