@@ -1,6 +1,6 @@
 """One request, every door: the same scores from `Scorer.score`, `score_batch`, `rank`, the
-Batcher (split over steps and not), every HTTP endpoint that scores, a job (Parquet and JSON
-Lines) and Ray Data, for a causal LM, a one-logit and a three-class classification model.
+Batcher (split over steps and not; a chunked request against `score(chunking=)`), every HTTP
+endpoint that scores, a job (Parquet and JSON Lines) and Ray Data, for a causal LM, a one-logit and a three-class classification model.
 
 Within the default mode's documented alone-against-batched bound; bit-identical in
 batch-invariant mode. Hypothesis draws the requests: item counts and lengths on both sides of
@@ -179,11 +179,19 @@ def test_the_batcher_split_or_not_equals_score(doors, case, mode):
     d = doors(case, mode)
 
     @QUICK
-    @hypothesis.given(request=score_requests(d.classification))
-    def run(request):
+    @hypothesis.given(request=score_requests(d.classification), window=st.integers(1, 4))
+    def run(request, window):
         reference = d.scorer.score(**request)
         check_result(d.whole.score(**request), reference, mode, "Batcher")
         check_result(d.split.score(**request), reference, mode, "Batcher, split over steps")
+        if not d.classification and len(request["labels"]) < 2:
+            return  # a causal LM's chunk scores by a label within the labels: two at least
+        chunked = {**request, "chunking": {"window": window, "stride": max(window - 1, 1)}}
+        expected = d.scorer.score(**chunked)
+        for batcher, what in ((d.whole, "chunked Batcher"), (d.split, "chunked, split Batcher")):
+            got = batcher.score(**chunked)
+            check(got.scores, expected.scores, mode, f"{what}: documents' scores")
+            check_result(got.chunks, expected.chunks, mode, f"{what}: chunks")
 
     run()
 
