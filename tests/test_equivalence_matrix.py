@@ -1,6 +1,7 @@
 """One request, every door: the same scores from `Scorer.score`, `score_batch`, `rank`, the
 Batcher (split over steps and not; a chunked request against `score(chunking=)`), every HTTP
-endpoint that scores, a job (Parquet and JSON Lines) and Ray Data, for a causal LM, a one-logit and a three-class classification model.
+endpoint that scores, a job (Parquet and JSON Lines) and Ray Data, for a causal LM, a one-logit
+and a three-class classification model.
 
 Within the default mode's documented alone-against-batched bound; bit-identical in
 batch-invariant mode. Hypothesis draws the requests: item counts and lengths on both sides of
