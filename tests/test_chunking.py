@@ -56,6 +56,18 @@ def test_count_is_the_number_of_spans():
                 assert [plan.count(n) for n in range(30)] == [len(plan.spans(n)) for n in range(30)]
 
 
+def test_tokens_bounds_the_chunks_tokens_and_is_exact_without_a_short_last_chunk():
+    for window in (1, 2, 5):
+        for stride in range(1, window + 1):
+            for max_chunks in (None, 1, 3):
+                plan = Chunking(window=window, stride=stride, max_chunks=max_chunks)
+                for n in range(30):
+                    held = sum(max(stop - start, 1) for start, stop in plan.spans(n))
+                    assert plan.tokens(n) >= held
+                    if (n - window) % stride == 0 or max_chunks == 1:
+                        assert plan.tokens(n) == held, (window, stride, max_chunks, n)
+
+
 @pytest.mark.parametrize(
     ("options", "param"),
     [

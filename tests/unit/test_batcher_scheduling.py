@@ -387,6 +387,29 @@ def test_admission_refuses_past_max_pending_and_queued_tokens_before_preparing()
         batcher.score(**request([3], [30]))  # nothing else queued: admitted whatever its size
 
 
+def test_admission_reads_a_numpy_column_and_counts_overlapping_chunks_before_preparing():
+    """A numpy column of items is estimated as its list, and a chunked request by its chunks'
+    tokens (a stride of 1 holds a token up to window times): each refused past
+    max_queued_tokens before it is prepared, as a list of its size is."""
+    fake = FakeScorer()
+    released = fake.hold(1)
+    with Batcher(fake, max_queued_tokens=100, max_wait_ms=0) as batcher:
+        futures = [batcher.submit(**request([1], [5]))]
+        fake.wait_runs(1)
+        futures.append(batcher.submit(**request([2], [5])))  # 6 tokens queued
+        column = np.array(["word " * 80])  # 400 bytes: ~100 tokens
+        with pytest.raises(Overloaded, match="max_queued_tokens=100"):
+            batcher.submit(query=[1], items=column, label_token_ids=[1])
+        document = list(range(1, 41))  # 40 tokens: 25 chunks of 16 with a stride of 1
+        overlapping = {"window": 16, "stride": 1}
+        with pytest.raises(Overloaded, match="max_queued_tokens=100"):
+            batcher.submit(query=[1], items=[document], label_token_ids=[1], chunking=overlapping)
+        assert len(fake.prepared) == 2  # the refused ones were never prepared
+        released.set()
+        for future in futures:
+            future.result(WAIT_S)
+
+
 def test_a_failure_reaches_only_the_callers_of_its_run_and_bad_input_only_its_caller():
     fake = FakeScorer()
     released = fake.hold(1)

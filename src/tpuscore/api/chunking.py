@@ -112,6 +112,11 @@ class Chunking:
         n = 1 + max(0, -(-(num_tokens - self.window) // stride))
         return n if self.max_chunks is None else min(n, self.max_chunks)
 
+    def tokens(self, num_tokens: int) -> int:
+        """The chunks' tokens in all, at most (each chunk at most the window), without building
+        them: what scoring the document by its chunks runs."""
+        return self.count(num_tokens) * max(min(self.window, num_tokens), 1)
+
     def reduce(self, scores: np.ndarray) -> tuple[float, int]:
         """(the document's score, the index of its best chunk) from its chunks' scores."""
         scores = np.asarray(scores, np.float64)

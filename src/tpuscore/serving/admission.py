@@ -8,6 +8,9 @@ import math
 from typing import Any
 
 from tpuscore.api import bounds
+from tpuscore.api.argument_checks import listed
+from tpuscore.api.chunking import Chunking
+from tpuscore.api.errors import ValidationError
 
 # Bytes of text per token in the admission estimate: English BPE text averages about 4 bytes a
 # token. An estimate only; the exact count replaces it once the request is tokenized.
@@ -76,20 +79,36 @@ def check_options(
         )
 
 
-def estimate_tokens(query: Any, items: Any) -> int:
+def estimate_tokens(query: Any, items: Any, chunking: Any = None) -> int:
     """A request's query and item tokens, estimated without tokenizing: exact for token ids,
-    UTF-8 bytes / `ESTIMATE_BYTES_PER_TOKEN` for text; 0 for what validation will refuse."""
+    UTF-8 bytes / `ESTIMATE_BYTES_PER_TOKEN` for text; 0 for what validation will refuse. With
+    `chunking`, each item is a document and counts its chunks' tokens (overlapping chunks hold
+    a token more than once: a stride of 1 holds it up to window times)."""
+    plan = _chunking(chunking)
 
     def size(value: Any) -> int:
         if isinstance(value, str):
             n = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
-            return math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
-        return bounds.length(value)
+            n = math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
+        else:
+            n = bounds.length(value)
+        return n
 
     total = size(query)
+    items = listed(items)  # a numpy column is read as its list, as validation reads it
     if isinstance(items, (list, tuple)):
-        total += sum(map(size, items))
+        total += sum(size(i) if plan is None else plan.tokens(size(i)) for i in items)
     return total
+
+
+def _chunking(value: Any) -> Chunking | None:
+    """The request's chunking, or None where it has none or validation will refuse it."""
+    if value is None:
+        return None
+    try:
+        return Chunking.of(value)
+    except ValidationError:
+        return None
 
 
 def is_positive_seconds(value: Any) -> bool:

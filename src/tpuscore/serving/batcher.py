@@ -301,7 +301,9 @@ class Batcher(BatchQueue):
                 f"timeout_s must be a positive number of seconds, got {timeout_s!r}",
                 "timeout_s",
             )
-        estimate = estimate_tokens(score_kwargs.get("query"), score_kwargs.get("items"))
+        estimate = estimate_tokens(
+            score_kwargs.get("query"), score_kwargs.get("items"), score_kwargs.get("chunking")
+        )
         with self._lock:
             self._check_open()
             self._check_room(estimate)
