@@ -194,6 +194,22 @@ def test_score_batch_takes_chunking_per_request_and_runs_them_together(scorer, r
         np.testing.assert_array_equal(got.logprobs, expected.logprobs)
 
 
+def test_prepare_and_plan_take_chunking_as_score_does(scorer, rng):
+    """`prepare(chunking=)` is the request of the documents' chunks, which `run` returns as
+    `score(chunking=)` does; `plan(chunking=)` prices that request (it was refused as an
+    unknown argument)."""
+    docs = documents(rng, 3, 4, 25)
+    options = {"window": 5, "stride": 3, "aggregate": "mean"}
+    prepared = scorer.prepare("a fox?", docs, labels=LABELS, chunking=options)
+    result = scorer.run([prepared])[0]
+    alone = scorer.score("a fox?", docs, labels=LABELS, chunking=options)
+    np.testing.assert_array_equal(result.scores, alone.scores)
+    assert result.spans == alone.spans and len(prepared.request.items) == len(alone.spans)
+    planned = scorer.plan("a fox?", docs, labels=LABELS, chunking=options)
+    assert planned == scorer.plan("a fox?", prepared.chunks.items, labels=LABELS)
+    assert planned != scorer.plan("a fox?", docs, labels=LABELS)
+
+
 def test_an_error_in_a_chunk_names_its_document(scorer, rng):
     vocab = scorer.config.vocab_size
     docs = [[1, 2, 3], [4, 5, 6, 7, 8, vocab + 5]]  # the bad id is in chunk 1 of items[1]

@@ -83,11 +83,14 @@ class Scorer(EngineView):
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
         return chunked.score_items(self.engine, query, items, chunking, options, backend=backend)
 
-    def prepare(self, query: Query, items: Items, label_token_ids: list[int] | None = None,
-                **options: Any) -> ScoreRequest:  # fmt: skip
-        """Validate one request (`score`'s arguments but backend) and tokenize it for `run`."""
+    def prepare(
+        self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
+        chunking: Chunking | Mapping[str, Any] | None = None, **options: Any,
+    ) -> ScoreRequest | ChunkedRequest:  # fmt: skip
+        """Validate one request (`score`'s arguments but backend) and tokenize it for `run`;
+        with chunking, its items' chunks (a `ChunkedRequest`, which `run` reads back whole)."""
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
-        return self.engine.prepare(query, items, options)
+        return chunked.prepare_items(self.engine, query, items, chunking, options)
 
     def run(
         self, requests: Sequence[ScoreRequest | ChunkedRequest], *, backend: str | None = None,
@@ -127,10 +130,15 @@ class Scorer(EngineView):
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
-        backend: str | None = None, **options: Any,
+        backend: str | None = None, chunking: Chunking | Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> selection.Plan:  # fmt: skip
-        """Every built-in backend's estimate for `score`'s call and `pick`, the one "auto" takes."""
-        return self.engine.plan(self.prepare(query, items, label_token_ids, **options))
+        """Every built-in backend's estimate for `score`'s call and `pick`, the one "auto" takes
+        (with chunking, for the request of its chunks)."""
+        prepared = self.prepare(query, items, label_token_ids, chunking=chunking, **options)
+        if isinstance(prepared, ChunkedRequest):
+            prepared = prepared.request
+        return self.engine.plan(prepared)
 
     def rank(
         self, query: Query, items: Items, *, positive: int | None = None, top_k: int | None = None,

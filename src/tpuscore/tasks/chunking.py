@@ -297,15 +297,26 @@ def prepare_chunks(
     return ChunkedRequest(request, chunks, plan, positive_label(request, positive))
 
 
+def prepare_items(
+    engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions
+) -> ScoreRequest | ChunkedRequest:
+    """`Scorer.prepare`: the request, or where `chunking` is given its items' chunks prepared
+    as `score(chunking=)` prepares them (a `ChunkedRequest`)."""
+    if chunking is None:
+        return engine.prepare(query, items, options)
+    return prepare_chunks(
+        engine, query, items, chunking, options,
+        lambda chunk_items: engine.prepare(query, chunk_items, options),
+    )  # fmt: skip
+
+
 def score_items(
     engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions, *,
     backend: str | None = None,
 ) -> ScoreResult | ChunkedResult:  # fmt: skip
-    """`Scorer.score`: the items scored whole, or by their chunks (`score`) where `chunking` is
-    given."""
-    if chunking is None:
-        return engine.run([engine.prepare(query, items, options)], backend=backend)[0]
-    return score(engine, query, items, chunking, options, backend=backend)
+    """`Scorer.score`: the items scored whole, or by their chunks where `chunking` is given."""
+    prepared = prepare_items(engine, query, items, chunking, options)
+    return run(engine, [prepared], backend=backend)[0]
 
 
 @attrs.frozen
