@@ -190,6 +190,34 @@ def test_rank_equals_scorer_rank(scorers, checkpoint_dir, tmp_path, capsys):
     )
 
 
+def test_score_takes_chunking_per_request_as_score_batch_does(
+    scorers, checkpoint_dir, tmp_path, capsys
+):
+    """A request with `chunking` is scored by its documents' chunks (it was an unknown field),
+    beside one without, in one run: each output as `score_batch` gives it."""
+    scorer = scorers(CASE)
+    requests = [
+        {"query": "a fox?", "items": ["The quick brown fox jumps.", "A lazy dog."],
+         "labels": ["y", "n"], "chunking": {"window": 3, "stride": 2, "aggregate": "mean"}},
+        {"query": "a dog?", "items": ["A lazy dog."], "labels": ["y", "n"]},
+    ]  # fmt: skip
+    path = tmp_path / "chunked.json"
+    path.write_text(json.dumps(requests))
+    assert cli.main(["score", "--model", str(checkpoint_dir(CASE)), str(path)]) == 0
+    documents, plain = json.loads(capsys.readouterr().out)
+    expected, expected_plain = scorer.score_batch(requests)
+    np.testing.assert_allclose(documents["scores"], expected.scores, rtol=1e-4, atol=1e-7)
+    assert documents["best_chunk"] == expected.best_chunk.tolist()
+    assert documents["best_span"] == [list(span) for span in expected.best_span]
+    assert documents["spans"] == [list(span) for span in expected.spans]
+    for got, want in zip(documents["chunk_scores"], expected.chunk_scores, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        documents["chunks"]["logprobs"], expected.chunks.logprobs, rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(plain["logprobs"], expected_plain.logprobs, rtol=1e-4, atol=1e-5)
+
+
 def test_loglikelihood_equals_scorer(scorers, checkpoint_dir, tmp_path, capsys):
     scorer = scorers(CASE)
     requests = [

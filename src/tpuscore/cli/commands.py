@@ -42,9 +42,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tpuscore.api import validation
 from tpuscore.api.errors import ValidationError
 from tpuscore.api.requests import SCORE_ARGUMENTS, ScoreOptions
+from tpuscore.api.results import ScoreResult
 from tpuscore.cli import cache, job, serve
 from tpuscore.cli.common import (
     ENVIRONMENT_ERROR,
@@ -54,6 +54,7 @@ from tpuscore.cli.common import (
     load_scorer,
     validation_message,
 )
+from tpuscore.tasks.chunking import ChunkedResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,27 +264,43 @@ def _run_requests(args: argparse.Namespace) -> int:
 
 
 def _score(scorer, requests: list[Request]) -> list[dict[str, Any]]:
-    """All requests validated first, then run together: requests sharing a query share work."""
+    """All requests validated first, then run together: requests sharing a query share work. A
+    request with `chunking` scores its items as documents by their chunks (`ChunkedResult`)."""
 
     def prepare(**fields: Any):
-        query, items, options = validation.request_arguments(fields)
-        return scorer.engine.prepare(query, items, options)
+        return scorer.prepare_request(fields)
 
-    prepared = [_call(request, prepare, SCORE_ARGUMENTS, "Scorer.score") for request in requests]
+    accepted = (*SCORE_ARGUMENTS, "chunking")
+    prepared = [_call(request, prepare, accepted, "Scorer.score") for request in requests]
     try:
         results = scorer.run(prepared)
     except ValidationError as e:  # a backend that cannot run these requests
         raise InputError(validation_message(e)) from None
-    return [
-        {
-            "scores": r.scores.tolist(),
-            "logprobs": r.logprobs.tolist(),
-            "backend": r.backend,
-            "num_tokens": r.num_tokens,
-            **({} if r.calibrated is None else {"calibrated": r.calibrated.tolist()}),
-        }
-        for r in results
-    ]
+    return [_scored(r) if isinstance(r, ScoreResult) else _documents(r) for r in results]
+
+
+def _scored(result: ScoreResult) -> dict[str, Any]:
+    calibrated = result.calibrated
+    return {
+        "scores": result.scores.tolist(),
+        "logprobs": result.logprobs.tolist(),
+        "backend": result.backend,
+        "num_tokens": result.num_tokens,
+        **({} if calibrated is None else {"calibrated": calibrated.tolist()}),
+    }
+
+
+def _documents(result: ChunkedResult) -> dict[str, Any]:
+    """A chunked request's output: per document its score, best chunk and its span, and its
+    chunks' scores; `chunks`, every chunk's output as an unchunked request's."""
+    return {
+        "scores": result.scores.tolist(),
+        "best_chunk": result.best_chunk.tolist(),
+        "best_span": [list(span) for span in result.best_span],
+        "chunk_scores": [scores.tolist() for scores in result.chunk_scores],
+        "spans": [list(span) for span in result.spans],
+        "chunks": _scored(result.chunks),
+    }
 
 
 def _rank(scorer, requests: list[Request]) -> list[dict[str, Any]]:
