@@ -89,10 +89,8 @@ def estimate_tokens(query: Any, items: Any, chunking: Any = None) -> int:
     def size(value: Any) -> int:
         if isinstance(value, str):
             n = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
-            n = math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
-        else:
-            n = bounds.length(value)
-        return n
+            return math.ceil(n / ESTIMATE_BYTES_PER_TOKEN)
+        return bounds.length(value)
 
     total = size(query)
     items = listed(items)  # a numpy column is read as its list, as validation reads it

@@ -178,10 +178,7 @@ def score(
     """`Scorer.score(..., chunking=)`: every chunk an item of one request; the chunks' result
     carries `calibrated` per chunk under the engine's calibration (as an item's would; the
     documents' aggregated scores are not calibrated)."""
-    prepared = prepare_chunks(
-        engine, query, items, chunking, options,
-        lambda chunk_items: engine.prepare(query, chunk_items, options), positive,
-    )  # fmt: skip
+    prepared = prepare_items(engine, query, items, chunking, options, positive=positive)
     return prepared.documents(engine.run([prepared.request], backend=backend)[0])
 
 
@@ -298,15 +295,16 @@ def prepare_chunks(
 
 
 def prepare_items(
-    engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions
-) -> ScoreRequest | ChunkedRequest:
+    engine: Engine, query: Any, items: Any, chunking: Any, options: ScoreOptions, *,
+    positive: Any = None,
+) -> ScoreRequest | ChunkedRequest:  # fmt: skip
     """`Scorer.prepare`: the request, or where `chunking` is given its items' chunks prepared
-    as `score(chunking=)` prepares them (a `ChunkedRequest`)."""
+    as `score(chunking=)` prepares them (a `ChunkedRequest` ranking by label `positive`)."""
     if chunking is None:
         return engine.prepare(query, items, options)
     return prepare_chunks(
         engine, query, items, chunking, options,
-        lambda chunk_items: engine.prepare(query, chunk_items, options),
+        lambda chunk_items: engine.prepare(query, chunk_items, options), positive,
     )  # fmt: skip
 
 
