@@ -14,6 +14,7 @@ time includes its XLA compilations (a harness run compiles every shape it meets 
 
     python benchmarks/lm_eval_mc.py                 # 300 questions, float32
     python benchmarks/lm_eval_mc.py --questions 40  # a smoke run
+    python benchmarks/lm_eval_mc.py --tpuscore-dtype mixed  # tpuscore mixed, hf float32
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fewshot", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # tpuscore's precisions beyond the two both models have (docs/runtime.md#precision)
+    parser.add_argument(
+        "--tpuscore-dtype", choices=["float32", "bfloat16", "mixed", "int8"],
+        help="tpuscore's dtype (default --dtype's); hf runs in --dtype",
+    )  # fmt: skip
     parser.add_argument("--hf-batch-size", type=int, default=16)
     return parser.parse_args(argv)
 
@@ -88,7 +94,7 @@ def load(model: str, args: argparse.Namespace):
     model_args = {
         "hf": f"pretrained=$MODEL_DIR,gguf_file={path.name},dtype={args.dtype},"
         f"batch_size={args.hf_batch_size},device=cpu",
-        "tpuscore": f"dtype={args.dtype}",
+        "tpuscore": f"dtype={args.tpuscore_dtype or args.dtype}",
     }[model]
     start = time.perf_counter()
     real_args = model_args.replace("$MODEL_DIR", str(path.parent))
@@ -104,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- machine: {cpu_model()}, {os.cpu_count()} cores, jax devices {jax.devices()}")
     print(f"- versions: {', '.join(f'{k} {v}' for k, v in versions.items())}")
     model = default_model_path()
-    print(f"- model: $MODEL_DIR/{model.name}, dtype {args.dtype}; $MODEL_DIR is {model.parent}")
+    dtypes = f"dtype {args.dtype}" + (
+        f" (tpuscore {args.tpuscore_dtype})" if args.tpuscore_dtype else ""
+    )
+    print(f"- model: $MODEL_DIR/{model.name}, {dtypes}; $MODEL_DIR is {model.parent}")
     print(f"- load average at start: {os.getloadavg()[0]:.2f} (other work skews timings)\n")
     with tempfile.TemporaryDirectory() as folder:
         write_task(pathlib.Path(folder), args)

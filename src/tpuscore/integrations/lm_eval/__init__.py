@@ -70,7 +70,9 @@ class TpuscoreLM(TemplateLM):
     Model args (`--model_args key=value,...`):
         pretrained: what `Scorer.from_pretrained` loads (a Hugging Face directory or hub id, a
             .gguf file, a `Scorer.save` directory); default the embedded SmolLM2-135M-Instruct.
-        dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+        dtype: `Scorer.from_pretrained`'s: "float32", "bfloat16", "mixed" (bfloat16 matmuls
+            with float32 accumulation: the fastest on a CPU) or "int8"; default float32 on CPU,
+            bfloat16 on accelerators.
         backend: the backend `Scorer.loglikelihood` runs on (None, "auto", "prefill_extend").
         max_length: the longest model input, as the `hf` model's; default
             max_position_embeddings - 1 (the module docstring says why).
