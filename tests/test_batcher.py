@@ -279,7 +279,9 @@ def test_a_chunked_request_gets_the_documents_result_whole_or_split_over_batches
     chunked = [
         {
             "query": query if i else random_tokens(rng, 6, vocab),
-            "items": [random_tokens(rng, int(n), vocab) for n in rng.integers(1, 30, size=4)],
+            "items": [  # one of 25 tokens: 6 chunks, so past the split Batcher's 40-token cap
+                random_tokens(rng, int(n), vocab) for n in [25, *rng.integers(1, 30, size=3)]
+            ],
             "label_token_ids": [3, 5],
             "chunking": {"window": 6, "stride": 4, "aggregate": aggregate},
         }
