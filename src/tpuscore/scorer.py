@@ -25,7 +25,7 @@ from tpuscore.engine.warmup import Warmed
 from tpuscore.models.config import ModelConfig
 from tpuscore.models.weights import Params
 from tpuscore.tasks import chunking as chunked
-from tpuscore.tasks import loglikelihood, prompt_logprobs
+from tpuscore.tasks import loglikelihood, prompt_logprobs, scoring
 from tpuscore.tasks.chunking import ChunkedRequest, ChunkedResult, RankedDocument
 from tpuscore.tasks.loglikelihood import LoglikelihoodResult
 from tpuscore.tasks.prompt_logprobs import PromptLogprobs
@@ -81,7 +81,7 @@ class Scorer(EngineView):
         """log P(label | query + item) after each item (with chunking, per document); options:
         `ScoreOptions`. Bad input raises ValidationError before anything runs."""
         options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
-        return chunked.score_items(self.engine, query, items, chunking, options, backend=backend)
+        return scoring.score_items(self.engine, query, items, chunking, options, backend=backend)
 
     def prepare(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
@@ -99,7 +99,7 @@ class Scorer(EngineView):
         """Score prepared requests together (those sharing a query share its work), a chunked
         one read back as its documents'; on_progress gets the requests each backend call
         completes."""
-        return chunked.run(self.engine, requests, backend=backend, on_progress=on_progress)
+        return scoring.run(self.engine, requests, backend=backend, on_progress=on_progress)
 
     def score_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
@@ -107,26 +107,26 @@ class Scorer(EngineView):
     ) -> list[ScoreResult | ChunkedResult]:  # fmt: skip
         """One result per request (a mapping of `score`'s arguments, `chunking` too), all
         checked first, run together."""
-        return chunked.score_batch(self.engine, requests, backend=backend,
+        return scoring.score_batch(self.engine, requests, backend=backend,
                                    show_progress=show_progress)  # fmt: skip
 
     def prepare_request(self, request: Mapping[str, Any], *, backend: str | None = None
                         ) -> ScoreRequest | ChunkedRequest:  # fmt: skip
         """One request as a mapping of `score`'s arguments (`chunking` too), prepared for `run`
         on `backend`."""
-        return chunked.prepare_request(self.engine, request, backend)
+        return scoring.prepare_request(self.engine, request, backend)
 
     def prepare_batch(
         self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None,
         errors: Literal["raise", "return"] = "raise",
     ) -> list[ScoreRequest | ChunkedRequest | ValidationError]:  # fmt: skip
         """Every request prepared, in order; a bad one's located error raised, or in its place."""
-        return chunked.prepare_batch(self.engine, requests, backend, errors)
+        return scoring.prepare_batch(self.engine, requests, backend, errors)
 
     def validate_batch(self, requests: Sequence[Mapping[str, Any]], *, backend: str | None = None
                        ) -> list[ValidationError | None]:  # fmt: skip
         """Per request, its located ValidationError or None if `score_batch` takes it."""
-        return chunked.validate_batch(self.engine, requests, backend)
+        return scoring.validate_batch(self.engine, requests, backend)
 
     def plan(
         self, query: Query, items: Items, label_token_ids: list[int] | None = None, *,
@@ -135,10 +135,8 @@ class Scorer(EngineView):
     ) -> selection.Plan:  # fmt: skip
         """Every built-in backend's estimate for `score`'s call and `pick`, the one "auto" takes
         (with chunking, for the request of its chunks)."""
-        prepared = self.prepare(query, items, label_token_ids, chunking=chunking, **options)
-        if isinstance(prepared, ChunkedRequest):
-            prepared = prepared.request
-        return self.engine.plan(prepared)
+        options = ScoreOptions.from_mapping({"label_token_ids": label_token_ids, **options})
+        return scoring.plan_items(self.engine, query, items, chunking, options)
 
     def rank(
         self, query: Query, items: Items, *, positive: int | None = None, top_k: int | None = None,

@@ -189,13 +189,6 @@ class Engine:
                 prepared.append(e.at("requests", i))
         return prepared
 
-    def validate_batch(
-        self, requests: Sequence[Mapping[str, Any]], backend: str | None = None
-    ) -> list[ValidationError | None]:
-        """Per request, its located ValidationError, or None where it would run."""
-        prepared = self.prepare_batch(requests, backend, errors="return")
-        return [p if isinstance(p, ValidationError) else None for p in prepared]
-
     def run(
         self,
         requests: Sequence[ScoreRequest],
