@@ -150,6 +150,17 @@ def test_a_bad_cache_size_variable_is_named_not_the_model(tmp_path, capsys, monk
     assert "TPUSCORE_COMPILATION_CACHE_MAX_SIZE='lots'" in err and "cannot load" not in err, err
 
 
+def test_a_bad_profile_file_is_named_not_the_model(checkpoint_dir, tmp_path, capsys):
+    (tmp_path / "profile.json").write_text('{"name": "cut')
+    path = tmp_path / "in.json"
+    path.write_text('{"query": "a", "items": ["b"], "label_token_ids": [1]}')
+    argv = ["score", "--model", str(checkpoint_dir(CASE)), "--profile"]
+    assert cli.main([*argv, str(tmp_path / "profile.json"), str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpuscore: error: --profile: ") and "cannot load" not in err, err
+    assert "profile.json cannot be read as JSON" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("mesh", "message"), [("2x4", "needs 8 devices; there are 1"), ("two", "DATAxMODEL")]
 )

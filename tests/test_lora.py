@@ -150,6 +150,22 @@ def test_unsupported_or_mismatched_adapters_are_refused(lora_setup, tmp_path, ch
     assert info.value.code in {"adapter_unsupported", "adapter_mismatch"}
 
 
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_cut_short_is_adapter_invalid(lora_setup, tmp_path, name):
+    """A cut copy or download of either file is the adapter's error, naming the file (the
+    safetensors parser's own error is not even a ValueError)."""
+    base, paths = lora_setup
+    config, _, _ = load(base, dtype=np.float32)
+    copy = tmp_path / "adapter"
+    copy.mkdir()
+    for file in paths["attn_mlp"].iterdir():
+        data = file.read_bytes()
+        (copy / file.name).write_bytes(data[: len(data) // 2] if file.name == name else data)
+    with pytest.raises(ValidationError, match=name) as info:
+        load_adapter(copy, config)
+    assert info.value.code == "adapter_invalid"
+
+
 def test_adapter_for_another_model_is_refused(lora_setup, tmp_path):
     """An adapter of a model with other dimensions and a module this decoder has no LoRA for."""
     _, paths = lora_setup

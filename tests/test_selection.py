@@ -375,11 +375,15 @@ def test_a_dtypes_rate_is_fitted_into_a_profile_keeping_its_other_constants(tmp_
     )
 
 
-def test_calibration_into_a_missing_profile_fails_before_timing_anything(tmp_path, monkeypatch):
+def test_calibration_into_a_missing_profile_fails_before_timing_anything(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(calibrate, "time_grid", lambda *a, **k: pytest.fail("timed the grid"))
     monkeypatch.setattr(calibrate, "Scorer", None)  # nor loaded a model
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SystemExit) as exited:  # argparse's one line, status 2
         calibrate.main(["--dtype", "mixed", "--into", str(tmp_path / "missing.json")])
+    assert exited.value.code == 2
+    assert "--into: " in capsys.readouterr().err
 
 
 def test_calibration_times_fresh_queries_in_interleaved_rounds(scorers, monkeypatch):

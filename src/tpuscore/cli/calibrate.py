@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from scipy.optimize import nnls
 
+from tpuscore.api.errors import ValidationError
 from tpuscore.backends import registry
 from tpuscore.engine import planning, selection
 from tpuscore.engine.profiles import DeviceProfile
@@ -258,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         "(the grid alternates fitted and held-out points, so a prefix keeps both)",
     )
     args = parser.parse_args(argv)
-    base = DeviceProfile.load(args.into) if args.into else None  # before the timing, not after
+    try:  # before the timing, not after
+        base = DeviceProfile.load(args.into) if args.into else None
+    except ValidationError as e:
+        parser.error(f"--into: {e.message}")
     command = "python -m tpuscore.cli.calibrate " + " ".join(argv or sys.argv[1:])
     load = {"before": _load()}
     print(f"# {command}\n# {platform.platform()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "

@@ -47,6 +47,8 @@ def load_scorer(args: argparse.Namespace):
         flag = f"--backend {args.backend}"
         if e.param == "score_calibration":  # a calibration file refused for this model
             flag = "--score-calibration"
+        elif e.param == "profile":  # a profile file that is not one
+            flag = "--profile"
         elif e.loc[:1] == ("adapters",):  # an adapter that does not load or fit the model
             flag = f"--adapter {e.loc[1]}" if len(e.loc) > 1 else "--adapter"
         raise InputError(f"{flag}: {e}") from None

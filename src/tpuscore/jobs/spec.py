@@ -56,7 +56,8 @@ class RowFailed(Exception):
     """A row failed under `on_error="fail"`."""
 
     def __init__(self, error: RowError):
-        super().__init__(f"row {error.row} {error.ids or ''}: {error.message} [code {error.code}]")
+        ids = f" {error.ids}" if error.ids else ""
+        super().__init__(f"row {error.row}{ids}: {error.message} [code {error.code}]")
         self.error = error
 
 

@@ -137,8 +137,11 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     file = path / WEIGHTS_FILE
     if not file.is_file():
         raise _error("adapter_not_found", f"no {WEIGHTS_FILE}", path)
-    with safetensors.safe_open(file, framework="flax") as f:
-        return {name: np.asarray(f.get_tensor(name), np.float32) for name in f.keys()}  # noqa: SIM118
+    try:
+        with safetensors.safe_open(file, framework="flax") as f:
+            return {name: np.asarray(f.get_tensor(name), np.float32) for name in f.keys()}  # noqa: SIM118
+    except safetensors.SafetensorError as e:  # not a ValueError, and it names no file
+        raise _error("adapter_invalid", f"{WEIGHTS_FILE} cannot be read: {e}", path) from e
 
 
 def load_adapter(path: str | Path, config: ModelConfig) -> LoraAdapter:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from importlib import resources
 from typing import Any
 
 import attrs
 import jax
+
+from tpuscore.api.errors import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +56,41 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DeviceProfile:
-        with open(path) as f:
-            return cls(**json.load(f))
+        """The profile in a file `save` (or `tpuscore calibrate`) wrote; anything else, or a
+        file that cannot be read, is `ValidationError("invalid_profile")`."""
+
+        def invalid(why: str) -> ValidationError:
+            return ValidationError("invalid_profile", f"{os.fspath(path)} {why}", "profile")
+
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise invalid(f"cannot be read as JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise invalid(f"is not a device profile: a JSON {type(data).__name__}")
+        try:
+            profile = cls(**data)
+        except TypeError as e:  # a missing or unknown field
+            raise invalid(f"is not a device profile: {e}") from None
+        # Calibration's non-negative fit may give a cost of 0 (`tpuscore calibrate`); a rate
+        # of 0 would divide by it.
+        rates = [*profile.matmul_flops.values(), profile.memory_bandwidth]
+        costs = [profile.step_seconds, profile.score_seconds, profile.interpret_penalty]
+        if not rates[:-1] or not all(_number(r) and r > 0 for r in rates):
+            raise invalid("is malformed: matmul_flops and memory_bandwidth must be rates > 0")
+        if not all(_number(c) and c >= 0 for c in costs):
+            raise invalid("is malformed: its seconds and penalty must be numbers >= 0")
+        return profile
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(attrs.asdict(self), f, indent=2)
             f.write("\n")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def built_in(name: str) -> DeviceProfile:

@@ -7,18 +7,16 @@ Face hub id (through the local cache, or downloaded), a .gguf file, an Orbax dir
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import huggingface_hub
 import numpy as np
-import safetensors
 import tokenizers
 
 from tpuscore.models.config import ModelConfig
-from tpuscore.models.loaders import default, gguf, weight_cache
+from tpuscore.models.loaders import default, files, gguf, weight_cache
 from tpuscore.models.loaders import orbax as checkpoint
 from tpuscore.models.weights import Params, params_from_checkpoint
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
@@ -81,19 +79,16 @@ def _read_gguf(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokeni
 
 
 def _read_hf_dir(path: Path, dtype: np.dtype) -> tuple[ModelConfig, Params, tokenizers.Tokenizer]:
-    hf_config = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    hf_config = files.read_json(path / "config.json")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
     tensors = {}
-    for file in files:
-        # The flax reader handles bfloat16, which safetensors' numpy reader does not.
-        with safetensors.safe_open(file, framework="flax") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = np.asarray(f.get_tensor(name))
+    for file in weights:
+        tensors.update(files.read_safetensors(file))
     head = tensors.get("score.weight")  # a classification head: its rows count the classes
     config = ModelConfig.from_hf(hf_config, head_rows=None if head is None else head.shape[0])
     params = params_from_checkpoint(config, tensors, dtype)
-    return config, params, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    return config, params, files.read_tokenizer(path / "tokenizer.json")

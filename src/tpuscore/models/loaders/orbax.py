@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 import tokenizers
 
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import files
 from tpuscore.models.weights import Params, param_shapes
 from tpuscore.parallel.sharding import ONE_DEVICE, Layout
 
@@ -52,7 +53,7 @@ def restore(
     """Restore onto an abstract tree of the config's shapes in `dtype`, each parameter read
     straight into its place in `layout_for(config)` (on a mesh: only each device's shard)."""
     path = Path(path).absolute()
-    meta = json.loads((path / MARKER).read_text())
+    meta = files.read_json(path / MARKER)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER}: format {meta.get('format')!r}, expected {FORMAT}")
     config = ModelConfig.from_dict(meta["config"])
@@ -66,4 +67,4 @@ def restore(
     )
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(path / "params", abstract)
-    return config, params, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    return config, params, files.read_tokenizer(path / "tokenizer.json")
