@@ -25,14 +25,14 @@ def read_json(file: Path) -> Any:
     return named(file, lambda f: json.loads(f.read_text()), ValueError)
 
 
-def read_safetensors(file: Path, dtype: type | None = None) -> dict[str, np.ndarray]:
-    """Every tensor of `file`, as numpy (in `dtype` if given)."""
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of `file`, as numpy."""
 
     def read(f: Path) -> dict[str, np.ndarray]:
         # The flax reader handles bfloat16, which safetensors' numpy reader does not.
         with safetensors.safe_open(f, framework="flax") as opened:
             names = opened.keys()
-            return {name: np.asarray(opened.get_tensor(name), dtype) for name in names}
+            return {name: np.asarray(opened.get_tensor(name)) for name in names}
 
     return named(file, read, safetensors.SafetensorError)
 
