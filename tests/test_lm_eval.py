@@ -19,7 +19,7 @@ from lm_eval.tasks import TaskManager
 
 from helpers import ServerThread
 from hf_reference import BOS, EOS
-from tpuscore import Scorer
+from tpuscore import Scorer, ValidationError
 from tpuscore.api import templates
 from tpuscore.integrations.lm_eval import TpuscoreLM
 from tpuscore.serving import app as server
@@ -200,6 +200,15 @@ def test_a_classification_model_is_refused_when_made(checkpoint_dir):
     by the first request after the harness has built its tasks (as it was)."""
     with pytest.raises(ValueError, match="classification head"):
         TpuscoreLM(pretrained=str(checkpoint_dir("qwen3_seq_cls")), dtype="float32")
+
+
+@pytest.mark.parametrize("backend, code", [("packed_dense", "unsupported_option"),
+                                           ("fast", "unknown_backend")])  # fmt: skip
+def test_a_backend_loglikelihood_cannot_run_on_is_refused_before_loading(tmp_path, backend, code):
+    """Before the model loads (this path holds none), not at the first of many requests."""
+    with pytest.raises(ValidationError) as refused:
+        TpuscoreLM(pretrained=str(tmp_path / "no-model"), backend=backend)
+    assert refused.value.code == code
 
 
 def test_importing_tpuscore_does_not_import_lm_eval():

@@ -64,6 +64,21 @@ class LoglikelihoodResult:
     num_tokens: int
 
 
+def check_backend(backend: Any) -> str:
+    """The backend loglikelihood runs on; `backend` (None, "auto" or that one's name) checked:
+    any other is `unsupported_option`."""
+    runs_it = registry.loglikelihood_backend()
+    name = registry.backend_name(runs_it if backend is None else backend)
+    if name not in (registry.AUTO, runs_it):
+        raise ValidationError(
+            "unsupported_option",
+            f"loglikelihood runs on {runs_it}'s prefill and extend steps; backend {name!r} "
+            f"cannot run it (use None, 'auto' or {runs_it!r})",
+            "backend",
+        )
+    return runs_it
+
+
 def loglikelihood(
     engine: Engine,
     context: Any,
@@ -74,15 +89,7 @@ def loglikelihood(
 ) -> list[LoglikelihoodResult]:
     """`Scorer.loglikelihood`: validate, then run on the engine (`Engine.loglikelihood`), under
     the LoRA adapter named `adapter` (None: the base model)."""
-    runs_it = registry.loglikelihood_backend()
-    name = registry.backend_name(runs_it if backend is None else backend)
-    if name not in (registry.AUTO, runs_it):
-        raise ValidationError(
-            "unsupported_option",
-            f"loglikelihood runs on {runs_it}'s prefill and extend steps; backend {name!r} "
-            f"cannot run it (use None, 'auto' or {runs_it!r})",
-            "backend",
-        )
+    runs_it = check_backend(backend)
     request = validation.validate_loglikelihood(context, continuations, engine.facts, adapter)
     if request.adapter:
         registry.check_capabilities(runs_it, item_first=False, adapter=True)

@@ -54,6 +54,7 @@ except ImportError as missing:  # pragma: no cover - depends on the environment
 from tqdm import tqdm
 
 from tpuscore import Scorer
+from tpuscore.tasks import loglikelihood
 
 __all__ = ["TpuscoreLM"]
 
@@ -103,6 +104,7 @@ class TpuscoreLM(TemplateLM):
     ) -> None:
         super().__init__()
         del batch_size, max_batch_size, device
+        loglikelihood.check_backend(backend)  # before loading the model, not at the first request
         self.scorer = Scorer.from_pretrained(
             pretrained,
             dtype=dtype,
