@@ -333,6 +333,8 @@ def test_calibrate_is_a_subcommand_with_its_own_flags(capsys):
         "--request-timeout=0",
         "--request-timeout=nan",
         "--max-body-bytes=0",
+        "--adapter=no-equals-sign",
+        "--max-items=0",
     ],
 )
 def test_serve_refuses_a_bad_server_flag_before_loading_the_model(tmp_path, capsys, flag):

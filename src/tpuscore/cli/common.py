@@ -30,6 +30,8 @@ def load_scorer(args: argparse.Namespace):
             compilation_cache.max_size()
         except ValueError as e:
             raise InputError(str(e)) from None
+    # The flags' own errors before loading, not as "cannot load MODEL".
+    adapters, limits = parse_adapters(getattr(args, "adapter", None)), scorer_limits(args)
     try:
         return Scorer.from_pretrained(
             args.model,
@@ -40,8 +42,8 @@ def load_scorer(args: argparse.Namespace):
             compilation_cache_dir=cache_dir,
             batch_invariant=args.batch_invariant,
             score_calibration=getattr(args, "score_calibration", None),
-            adapters=parse_adapters(getattr(args, "adapter", None)),
-            limits=scorer_limits(args),
+            adapters=adapters,
+            limits=limits,
         )
     except ValidationError as e:
         flag = f"--backend {args.backend}"
