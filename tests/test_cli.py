@@ -138,6 +138,25 @@ def test_job_chunking_flag_is_checked_before_the_model_loads(tmp_path, capsys, f
     assert status == 2 and message in err and "cannot load" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shard-rows", "0"], "shard_rows must be an int >= 1"),
+        (["--max-item-tokens", "0"], "max_item_tokens must be an int >= 1"),
+    ],
+)
+def test_job_settings_are_checked_before_the_model_loads(tmp_path, capsys, flags, message):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"query": ["q"], "item": ["a"]}), tmp_path / "in.parquet")
+    argv = ["job", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "out"), "--labels",
+            "a", "b", "--model", str(tmp_path / "missing"), *flags]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "cannot load" not in err, err
+
+
 def test_a_bad_cache_size_variable_is_named_not_the_model(tmp_path, capsys, monkeypatch):
     """TPUSCORE_COMPILATION_CACHE_MAX_SIZE that is not a size is the variable's fault: the
     command says so before loading, not "cannot load MODEL"."""

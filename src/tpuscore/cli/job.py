@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     from tpuscore.api.calibration import CalibrationMismatch
     from tpuscore.engine import compilation_cache
+    from tpuscore.jobs.job import check_run
 
     settings = {
         "query_column": args.query_column,
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     }
     backend = None if args.backend == "auto" else args.backend
     try:
-        jobs.Spec(**settings).layout(jobs.open_table(args.input).schema)  # before the model loads
+        # The settings and the table before the model loads (minutes for a large one).
+        check_run(args.on_error, args.shard_rows)
+        jobs.Spec(**settings).layout(jobs.open_table(args.input).schema)
         try:
             scorer = jobs.load_scorer(
                 args.model,

@@ -159,14 +159,7 @@ def score_table(
         TableError: an input that cannot be read as the format.
         RowFailed: with on_error="fail", the first bad row.
     """
-    if on_error not in ON_ERROR:
-        raise JobConfigError(
-            "invalid_argument", f"on_error must be skip or fail, got {on_error!r}", "on_error"
-        )
-    if isinstance(shard_rows, bool) or not isinstance(shard_rows, int) or shard_rows < 1:
-        raise JobConfigError(
-            "invalid_argument", f"shard_rows must be an int >= 1, got {shard_rows!r}", "shard_rows"
-        )
+    check_run(on_error, shard_rows)
     start = time.perf_counter()
     input, output = os.fspath(input), os.fspath(output)
     spec = Spec(
@@ -235,6 +228,19 @@ def score_table(
         out = Output.open(fs, path, output, out_format, settings, overwrite)
         summary = _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress)
     return attrs.evolve(summary, seconds=time.perf_counter() - start)
+
+
+def check_run(on_error: Any, shard_rows: Any) -> None:
+    """`score_table`'s on_error and shard_rows, checked (`tpuscore job` checks them before it
+    loads the model)."""
+    if on_error not in ON_ERROR:
+        raise JobConfigError(
+            "invalid_argument", f"on_error must be skip or fail, got {on_error!r}", "on_error"
+        )
+    if isinstance(shard_rows, bool) or not isinstance(shard_rows, int) or shard_rows < 1:
+        raise JobConfigError(
+            "invalid_argument", f"shard_rows must be an int >= 1, got {shard_rows!r}", "shard_rows"
+        )
 
 
 def _run(out, table, layout, scorer, shard_rows, backend, on_error, show_progress) -> JobSummary:

@@ -11,9 +11,10 @@ from typing import Any
 import attrs
 import pyarrow as pa
 
-from tpuscore.api import templates
+from tpuscore.api import argument_checks, templates
 from tpuscore.api.chunking import Chunking
 from tpuscore.api.errors import ValidationError
+from tpuscore.api.requests import TRUNCATE_SIDES
 
 # Score options a row may carry in a column of the same name, where the job does not set them
 # (`adapter`: one of the scorer's LoRA adapters, by name; null is the base model).
@@ -158,6 +159,12 @@ class Spec:
         for name in ("labels", "label_token_ids"):
             if getattr(self, name) is not None:
                 options[name] = list(getattr(self, name))
+        # Checked here, before a model loads, as `score` would check them for every row.
+        truncate = self.truncate if self.truncate is not None else TRUNCATE_SIDES[0]
+        try:
+            argument_checks.check_truncation(self.max_item_tokens, truncate)
+        except ValidationError as e:
+            raise JobConfigError(e.code, str(e), e.param) from None
         for name in ("item_suffix", "max_item_tokens", "truncate"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
