@@ -108,10 +108,18 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _flip(path: Path) -> None:
+    """One byte of a weight changed in place, the file's size kept (a disk's or a copy's fault)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 DAMAGE = {
     "index not JSON": lambda e: (e / "params.json").write_text("{not json"),
     "index missing": lambda e: (e / "params.json").unlink(),
     "params.bin short": lambda e: _truncate(e / "params.bin"),
+    "params.bin byte flipped": lambda e: _flip(e / "params.bin"),
     "params.bin missing": lambda e: (e / "params.bin").unlink(),
     "config damaged": lambda e: (e / "config.json").write_text('{"vocab_size": "many"}'),
     "tokenizer damaged": lambda e: _truncate(e / "tokenizer.json"),

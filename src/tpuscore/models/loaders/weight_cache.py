@@ -7,8 +7,8 @@ memory-map it instead.
 
     <cache>/<blake2b of the file>-<dtype>-<code key>/
         params.bin      every parameter's bytes, back to back, 64-byte aligned
-        params.json     {"format", "bytes", "source", "versions", "tensors": {"layers/wq":
-                        {"dtype", "shape", "offset"}, ...}}
+        params.json     {"format", "bytes", "crc32", "source", "versions", "tensors":
+                        {"layers/wq": {"dtype", "shape", "offset"}, ...}}
         config.json     the ModelConfig
         tokenizer.json
 
@@ -19,7 +19,10 @@ memory-map it instead.
 - An entry is written in a staging folder and renamed into place, so a crash never leaves half
   of one; a staging folder whose process is gone (or older than a day) is removed by the next
   load. An entry that cannot be read (a bad index, a short params.bin, a damaged config or
-  tokenizer) is logged, removed and written again; the load itself succeeds.
+  tokenizer) is logged, removed and written again; the load itself succeeds. params.bin's CRC-32
+  is checked on every load (0.16 s for the default model's 538 MB, against a 0.3 s cached
+  start; the pages are read for the device anyway): a flipped byte would otherwise change the
+  scores silently (by 4.8 in logprob for one flip in the default model's, measured).
 - Bounded: after a write, the least recently used entries go until the cache holds at most
   `TPUSCORE_WEIGHTS_CACHE_MAX_SIZE` (default 10 GiB; "20G", "512M" or bytes); an entry larger
   than that is not written. The folder's modification time records an entry's last use.
@@ -41,6 +44,7 @@ import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -58,7 +62,7 @@ logger = logging.getLogger(__name__)
 ENV = "TPUSCORE_WEIGHTS_CACHE"
 MAX_SIZE_ENV = "TPUSCORE_WEIGHTS_CACHE_MAX_SIZE"
 DEFAULT_MAX_BYTES = 10 << 30
-FORMAT = 2
+FORMAT = 3  # 3: params.bin's CRC-32 in the index
 ALIGN = 64
 STALE_SECONDS = 24 * 3600  # a staging folder no live process on this host can be writing
 # What decides an entry's bytes besides the file: the packages the loader reads and converts
@@ -303,23 +307,28 @@ def _write_entry(
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix("staging"), dir=entry.parent))
     try:
-        tensors, offset = {}, 0
+        tensors, offset, crc = {}, 0, 0
         with open(staging / "params.bin", "wb") as f:
             for name, value in leaves:
-                f.write(b"\0" * (-offset % ALIGN))
-                offset += -offset % ALIGN
+                padding = b"\0" * (-offset % ALIGN)
+                f.write(padding)
+                crc = zlib.crc32(padding, crc)
+                offset += len(padding)
                 tensors[name] = {
                     "dtype": value.dtype.name,
                     "shape": list(value.shape),
                     "offset": offset,
                 }
-                f.write(value.tobytes())
+                raw = value.reshape(-1).view(np.uint8)
+                f.write(raw)
+                crc = zlib.crc32(raw, crc)
                 offset += value.nbytes
         (staging / "config.json").write_text(json.dumps(config.to_dict()))
         tokenizer.save(str(staging / "tokenizer.json"))
         index = {
             "format": FORMAT,
             "bytes": offset,
+            "crc32": crc,
             "source": source,
             "versions": versions(),
             "tensors": tensors,
@@ -343,6 +352,9 @@ def _read_entry(entry: Path) -> Loaded:
     if size != index["bytes"]:
         raise ValueError(f"params.bin holds {size} bytes, its index says {index['bytes']}")
     data = np.memmap(entry / "params.bin", np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    crc = zlib.crc32(data)
+    if crc != index["crc32"]:
+        raise ValueError(f"params.bin's CRC-32 is {crc}, its index says {index['crc32']}")
     params: Params = {}
     for name, meta in index["tensors"].items():
         dtype = np.dtype(meta["dtype"]) if meta["dtype"] != "bfloat16" else _bfloat16()
