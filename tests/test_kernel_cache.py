@@ -73,9 +73,38 @@ def _is_stand_in(lib) -> bool:
 def test_built_once_then_loaded(cxx, stand_in, folder):
     assert _is_stand_in(library.load_library(cxx, folder))
     assert _is_stand_in(library.load_library(cxx, folder))
-    (entry,) = folder.iterdir()
+    (entry,) = folder.glob("*.so")
     assert stand_in == [entry]  # one build; the second call loaded it
     assert library.file_problem(entry) is None  # this user's, writable by no one else
+    assert sorted(folder.iterdir()) == [entry, library.digest_of(entry)]
+    assert library.digest_problem(entry) is None
+
+
+@pytest.mark.parametrize("damage", ["a byte appended", "a byte changed", "no digest"])
+def test_a_library_whose_bytes_are_not_those_built_is_built_again(
+    cxx, stand_in, folder, caplog, damage
+):
+    """A damaged library that still loads (a byte appended past its sections loads as before)
+    would run: it is built again, as is one without a digest (an older tpuscore's build)."""
+    library.load_library(cxx, folder)
+    (entry,) = folder.glob("*.so")
+    data = bytearray(entry.read_bytes())
+    if damage == "a byte appended":
+        data += b"\0"
+    elif damage == "a byte changed":
+        data[len(data) // 2] ^= 0x40
+    else:
+        library.digest_of(entry).unlink()
+    # A new file in its place: this process has the library mapped, and writing into a mapped
+    # library in place would crash it (as it would any process running it).
+    damaged = entry.with_name("damaged")
+    damaged.write_bytes(bytes(data))
+    damaged.chmod(0o755)
+    os.replace(damaged, entry)
+    with caplog.at_level(logging.WARNING, logger=library.__name__):
+        assert _is_stand_in(library.load_library(cxx, folder))
+    assert ("no digest" if damage == "no digest" else "not those built") in caplog.text
+    assert stand_in == [entry, entry] and library.digest_problem(entry) is None
 
 
 @pytest.mark.parametrize("how", ["a wrapper before it", "a quoted path with a space"])
@@ -106,6 +135,7 @@ def test_a_library_that_does_not_load_is_built_again(cxx, stand_in, folder, capl
     entry = folder / library.entry_name(cxx)
     entry.write_bytes(b"not an ELF file")
     entry.chmod(0o644)
+    library.digest_of(entry).write_text(library._sha256(entry))  # its digest: it gets to dlopen
     with caplog.at_level(logging.WARNING, logger=library.__name__):
         assert _is_stand_in(library.load_library(cxx, folder))
     assert "does not load" in caplog.text
@@ -117,7 +147,7 @@ def test_a_library_writable_by_others_is_built_again(cxx, stand_in, folder, capl
     """A library in a trusted folder that others could write (or not this user's) is removed
     and built again, never loaded."""
     library.load_library(cxx, folder)
-    (entry,) = folder.iterdir()
+    (entry,) = folder.glob("*.so")
     entry.chmod(0o666)
     with caplog.at_level(logging.WARNING, logger=library.__name__):
         assert _is_stand_in(library.load_library(cxx, folder))
@@ -186,12 +216,13 @@ def test_the_least_recently_loaded_builds_go_past_the_cap(cxx, stand_in, folder,
         os.utime(path, (0, 1000 + n))
     monkeypatch.setenv(library.MAX_ENTRIES_ENV, "3")
     library.load_library(cxx, folder)
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
+    assert sorted(p.name for p in folder.glob("*.so")) == sorted(
         [library.entry_name(cxx), others[1].name, others[2].name]
     )
     monkeypatch.setenv(library.MAX_ENTRIES_ENV, "1")
     library.load_library(cxx, folder)
-    assert [p.name for p in folder.iterdir()] == [library.entry_name(cxx)]
+    kept = folder / library.entry_name(cxx)
+    assert sorted(folder.iterdir()) == [kept, library.digest_of(kept)]
 
 
 def test_a_failed_build_warns_and_leaves_nothing(stand_in, folder, caplog, monkeypatch):

@@ -7,9 +7,10 @@ C++ compiler (`$CXX`, split as a shell would, so `CXX="ccache g++"` works; else 
 `clang++`; about 6 s) against the XLA FFI headers jaxlib ships, into an entry keyed by the sources,
 the compiler and jaxlib, written under a temporary name and renamed into place (so two processes
 compiling at once both end with a whole one; a killed build's temporary file is removed by a later
-one). Later processes load it; one that does not load is built again. Where it cannot run (not
-Linux on x86-64, no compiler, a CPU without AVX-512F, a failed build) `registered()` is False and
-callers keep XLA's own ops; `TPUSCORE_CPU_KERNELS=off` turns it off.
+one). Later processes load it; one that does not load, or whose bytes are not those built (a
+SHA-256 written beside it at build time, checked before each load), is built again. Where it
+cannot run (not Linux on x86-64, no compiler, a CPU without AVX-512F, a failed build)
+`registered()` is False and callers keep XLA's own ops; `TPUSCORE_CPU_KERNELS=off` turns it off.
 
 Loading a library runs its code, so the cache is trusted only when no other user could have
 written it: the folder (and every folder above it, unless sticky like /tmp) must be owned by
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 ENV = "TPUSCORE_CPU_KERNELS"
 CACHE_ENV = "TPUSCORE_KERNEL_CACHE"
 MAX_ENTRIES_ENV = "TPUSCORE_KERNEL_CACHE_MAX_ENTRIES"
+DIGEST = ".sha256"  # beside each library: its SHA-256, checked before it is loaded
 DEFAULT_MAX_ENTRIES = 8  # builds for other compilers or jaxlibs beyond these go, oldest first
 SOURCES = tuple(
     Path(__file__).with_name(f"{name}.cc") for name in ("prefix_attention", "segment_attention")
@@ -189,7 +191,7 @@ def load_library(cxx: list[str], folder: Path | None = None) -> ctypes.CDLL | No
 
 def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
     if path.exists() or path.is_symlink():
-        problem = file_problem(path)
+        problem = file_problem(path) or digest_problem(path)
         if problem is None:
             try:
                 library = _open(path)
@@ -199,7 +201,7 @@ def _load_or_build(cxx: list[str], path: Path) -> ctypes.CDLL:
             except OSError as error:
                 problem = f"it does not load: {error}"
         logger.warning("Building the CPU attention kernel %s again: %s", path, problem)
-        path.unlink()
+        remove(path)
     logger.info("Compiling the CPU attention kernel into %s", path)
     _build(cxx, path)
     return _open(path)
@@ -225,9 +227,35 @@ def _build(cxx: list[str], out: Path) -> None:
         command = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)]
         subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
         os.chmod(built, 0o755)  # whatever the umask: writable by this user only
+        # The digest first: a process loading between the two renames finds the old library
+        # under the new digest and builds again, never a library under a digest not its own.
+        digest_of(built).write_text(_sha256(built))
+        os.replace(digest_of(built), digest_of(out))
         os.replace(built, out)
     finally:
         built.unlink(missing_ok=True)
+        digest_of(built).unlink(missing_ok=True)
+
+
+def digest_of(library: Path) -> Path:
+    """The file beside `library` holding its SHA-256, written when it is built."""
+    return library.with_name(library.name + DIGEST)
+
+
+def digest_problem(library: Path) -> str | None:
+    """Why `library`'s bytes are not those built (no digest beside it, or another), or None:
+    a damaged library that still loads would run."""
+    try:
+        recorded = digest_of(library).read_text().strip()
+    except OSError:
+        return "it has no digest beside it"
+    if recorded != _sha256(library):
+        return "its bytes are not those built (its SHA-256 differs from the digest beside it)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def clean_leftovers(folder: Path, stale_seconds: float = STALE_SECONDS) -> list[Path]:
@@ -271,6 +299,7 @@ def entries(folder: Path | None = None) -> list[Entry]:
 
 def remove(entry: Path) -> None:
     entry.unlink(missing_ok=True)  # a process that loaded it keeps it
+    digest_of(entry).unlink(missing_ok=True)
 
 
 def max_entries() -> int:
