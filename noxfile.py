@@ -34,7 +34,8 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/demo.py", *session.posargs)
 
 
-@nox.session
+# uv where it is installed (`.ci/run` installs it): CI's install in a third of pip's time.
+@nox.session(venv_backend="uv|venv")
 def tests(session: nox.Session) -> None:
     """The layers contract, the compile-free floor (tests/unit), then the rest of the suite on
     CPU, with HF transformers (torch CPU) as the reference, one pytest worker per core
