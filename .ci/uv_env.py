@@ -2,8 +2,9 @@
 
 uv reads UV_* variables, not pip's configuration files or PIP_* variables: without these, uv
 would resolve against other indexes, links and constraints than pip does here. Each pip setting
-found (`pip config list`: files and PIP_* alike) becomes its uv variable; bytecode is compiled
-at install, as pip does, so that the tests' processes do not compile what they import.
+found (`pip config list`: files and PIP_* alike) becomes its uv variable, indexes are weighed as
+pip weighs them, and bytecode is compiled at install, as pip does, so that the tests' processes
+do not compile what they import.
 """
 
 import shlex
@@ -25,4 +26,7 @@ for line in listed.stdout.splitlines():  # e.g. global.find-links='/opt/wheels'
     key, _, value = line.partition("=")
     if name := UV.get(key.rsplit(".", 1)[-1]):
         print(f"export {name}={shlex.quote(value.strip().strip(chr(39)))}")
+# pip takes the best version any index offers; uv, by default, only the first index's that has
+# the package at all.
+print("export UV_INDEX_STRATEGY=unsafe-best-match")
 print("export UV_COMPILE_BYTECODE=1")
