@@ -29,10 +29,11 @@ import attrs
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors
 
 from tpuscore.api.errors import ValidationError
 from tpuscore.models.config import ModelConfig
+from tpuscore.models.loaders import files
+from tpuscore.models.weights import CheckpointMismatchError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -138,10 +139,11 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     if not file.is_file():
         raise _error("adapter_not_found", f"no {WEIGHTS_FILE}", path)
     try:
-        with safetensors.safe_open(file, framework="flax") as f:
-            return {name: np.asarray(f.get_tensor(name), np.float32) for name in f.keys()}  # noqa: SIM118
-    except safetensors.SafetensorError as e:  # not a ValueError, and it names no file
-        raise _error("adapter_invalid", f"{WEIGHTS_FILE} cannot be read: {e}", path) from e
+        tensors = files.read_safetensors(file)
+    except CheckpointMismatchError as e:  # a file its parser cannot read, the adapter's error
+        why = f"{WEIGHTS_FILE} cannot be read: {e.__cause__}"
+        raise _error("adapter_invalid", why, path) from e
+    return {name: np.asarray(value, np.float32) for name, value in tensors.items()}
 
 
 def load_adapter(path: str | Path, config: ModelConfig) -> LoraAdapter:
