@@ -6,6 +6,7 @@ each scorer is given a guard whose limit sits just above the maps in use, so a f
 cross it (`benchmarks/executable_limit.py` runs the real crash and the guard against it).
 """
 
+import gc
 import logging
 import threading
 
@@ -20,7 +21,11 @@ CASE = "llama_gqa_untied"
 
 
 def limit_with_room(maps: int, **kwargs) -> executables.Guard:
-    """A guard whose high-water mark is `maps` above the maps in use now."""
+    """A guard whose high-water mark is `maps` above the maps in use now. Earlier tests' garbage
+    is collected first: executables freed by a later collection, mid-test, would lower the maps
+    in use and with them the drops the test counts (a CI run's worker once dropped once, not
+    twice, after other files' tests)."""
+    gc.collect()
     high_water = executables.map_count() + maps
     limit = int(high_water / executables.HIGH_WATER)
     return executables.Guard(map_limit=lambda: limit, **kwargs)
